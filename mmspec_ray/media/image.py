@@ -1,0 +1,77 @@
+"""Decode an image (bytes, path or URI) to an RGB PIL image: EXIF orientation applied, alpha on white."""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from mmspec_ray.config import MediaLimits, S3Config
+from mmspec_ray.media.errors import MediaError
+from mmspec_ray.media.io import read_bytes
+
+# Signatures of the formats we expect; used only to tell "corrupt" from "not an image at all".
+_IMAGE_MAGIC = (
+    b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a", b"BM", b"II*\x00", b"MM\x00*", b"RIFF",
+)
+
+
+def load_image(source: bytes | str, limits: MediaLimits | None = None, s3: S3Config | None = None) -> Image.Image:
+    """Decode `source` (raw bytes, a local path, file:// or s3:// URI). Raises MediaError on any bad input."""
+    limits = limits or MediaLimits()
+    label = source if isinstance(source, str) else None
+    data = read_bytes(source, limits, s3) if isinstance(source, str) else bytes(source)
+    return decode_image_bytes(data, limits, label)
+
+
+def decode_image_bytes(data: bytes, limits: MediaLimits | None = None, label: str | None = None) -> Image.Image:
+    """Decode image bytes fully (no lazy loading), so that every error surfaces here."""
+    limits = limits or MediaLimits()
+    if not data:
+        raise MediaError("empty", "image has 0 bytes", label)
+    if len(data) > limits.max_bytes:
+        raise MediaError("too_large", f"{len(data)} bytes > limit {limits.max_bytes}", label)
+    known = data.startswith(_IMAGE_MAGIC)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data))
+            w, h = img.size
+            if w * h > limits.max_image_pixels:
+                raise MediaError("too_large", f"{w}x{h} pixels > limit {limits.max_image_pixels}", label)
+            img.load()
+    except MediaError:
+        raise
+    except UnidentifiedImageError as e:
+        kind = "corrupt" if known else "unsupported"
+        raise MediaError(kind, "not a decodable image (PNG, JPEG, GIF, WebP, BMP, TIFF expected)", label) from e
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise MediaError("too_large", str(e), label) from e
+    except (OSError, SyntaxError, ValueError) as e:
+        msg = str(e)
+        kind = "truncated" if "truncated" in msg.lower() or "premature end" in msg.lower() else "corrupt"
+        raise MediaError(kind, f"image data is damaged: {msg}", label) from e
+    try:
+        img = ImageOps.exif_transpose(img)
+    except Exception:  # a broken EXIF block must not lose an otherwise good image
+        pass
+    return to_rgb(img)
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """Any PIL mode -> RGB; transparent pixels are composited on white (what a viewer shows)."""
+    if img.mode == "RGB":
+        return img
+    if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
+        rgba = img.convert("RGBA")
+        bg = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(bg, rgba).convert("RGB")
+    if img.mode in ("I;16", "I;16B", "I;16L", "I"):
+        # 16/32-bit greyscale: scale to 8 bits instead of clipping.
+        import numpy as np
+
+        arr = np.asarray(img, dtype=np.float64)
+        hi = arr.max() if arr.size and arr.max() > 0 else 1.0
+        return Image.fromarray((arr / hi * 255.0).astype("uint8")).convert("RGB")
+    return img.convert("RGB")

@@ -1,0 +1,58 @@
+"""Read raw bytes from a local path, a file:// URI or an s3:// URI (pyarrow S3FileSystem, explicit endpoint)."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+from mmspec_ray.config import MediaLimits, S3Config
+from mmspec_ray.media.errors import MediaError
+
+
+@lru_cache(maxsize=8)
+def s3_filesystem(cfg: S3Config):  # -> pyarrow.fs.S3FileSystem
+    """One S3FileSystem per distinct config; credentials come from the standard AWS chain."""
+    from pyarrow import fs
+
+    kwargs: dict = {"scheme": cfg.scheme}
+    if cfg.endpoint_override:
+        kwargs["endpoint_override"] = cfg.endpoint_override
+    if cfg.region:
+        kwargs["region"] = cfg.region
+    return fs.S3FileSystem(**kwargs)
+
+
+def read_bytes(source: str, limits: MediaLimits | None = None, s3: S3Config | None = None) -> bytes:
+    """Return the bytes at `source`, refusing anything over `limits.max_bytes`."""
+    limits = limits or MediaLimits()
+    if source.startswith("s3://"):
+        return _read_s3(source[len("s3://"):], limits, s3 or S3Config.from_env(), source)
+    path = source[len("file://"):] if source.startswith("file://") else source
+    if not os.path.exists(path):
+        raise MediaError("not_found", "no such file; check the path or URI", source)
+    if not os.path.isfile(path):
+        raise MediaError("io", "not a regular file", source)
+    size = os.path.getsize(path)
+    if size > limits.max_bytes:
+        raise MediaError("too_large", f"{size} bytes > limit {limits.max_bytes}", source)
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _read_s3(key: str, limits: MediaLimits, cfg: S3Config, source: str) -> bytes:
+    from pyarrow import fs
+
+    s3fs = s3_filesystem(cfg)
+    try:
+        info = s3fs.get_file_info(key)
+    except OSError as e:
+        raise MediaError("io", f"S3 error: {e}", source) from e
+    if info.type == fs.FileType.NotFound:
+        raise MediaError("not_found", "no such S3 object; check bucket and key", source)
+    if info.size is not None and info.size > limits.max_bytes:
+        raise MediaError("too_large", f"{info.size} bytes > limit {limits.max_bytes}", source)
+    try:
+        with s3fs.open_input_stream(key) as f:
+            return f.read()
+    except OSError as e:
+        raise MediaError("io", f"S3 read failed: {e}", source) from e

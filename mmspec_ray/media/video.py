@@ -1,0 +1,176 @@
+"""Decode a video (bytes, path or URI) with PyAV and sample frames uniformly or at a fixed fps."""
+
+from __future__ import annotations
+
+import io
+import struct
+from dataclasses import dataclass
+
+import av
+import numpy as np
+from PIL import Image
+
+from mmspec_ray.config import MediaLimits, S3Config
+from mmspec_ray.media.errors import MediaError
+from mmspec_ray.media.io import read_bytes
+
+_VIDEO_MAGIC_AT0 = (b"\x1a\x45\xdf\xa3", b"RIFF", b"FLV", b"OggS", b"\x00\x00\x01\xba", b"\x00\x00\x01\xb3")
+
+
+@dataclass(frozen=True)
+class VideoClip:
+    """Sampled frames of one video."""
+
+    frames: list[Image.Image]  # [num_sampled] RGB frames, in time order
+    timestamps: list[float]  # [num_sampled] seconds from the start of the stream
+    total_frames: int  # frames in the stream (decoded count when the container did not say)
+    duration: float  # seconds; 0.0 when unknown
+    source_fps: float  # average frame rate of the stream; 0.0 when unknown
+
+
+def load_video(
+    source: bytes | str,
+    num_frames: int | None = 8,
+    fps: float | None = None,
+    limits: MediaLimits | None = None,
+    s3: S3Config | None = None,
+) -> VideoClip:
+    """Decode `source` and sample `num_frames` frames uniformly, or one frame every 1/`fps` s when fps is given."""
+    limits = limits or MediaLimits()
+    label = source if isinstance(source, str) else None
+    data = read_bytes(source, limits, s3) if isinstance(source, str) else bytes(source)
+    return decode_video_bytes(data, num_frames=num_frames, fps=fps, limits=limits, label=label)
+
+
+def decode_video_bytes(
+    data: bytes,
+    num_frames: int | None = 8,
+    fps: float | None = None,
+    limits: MediaLimits | None = None,
+    label: str | None = None,
+) -> VideoClip:
+    """Decode video bytes. Raises MediaError (empty, too_large, truncated, corrupt, unsupported) on bad input."""
+    limits = limits or MediaLimits()
+    if (num_frames is None) == (fps is None):
+        raise ValueError("give exactly one of num_frames or fps")
+    if num_frames is not None and num_frames < 1:
+        raise ValueError("num_frames must be >= 1")
+    if fps is not None and fps <= 0:
+        raise ValueError("fps must be > 0")
+    if not data:
+        raise MediaError("empty", "video has 0 bytes", label)
+    if len(data) > limits.max_bytes:
+        raise MediaError("too_large", f"{len(data)} bytes > limit {limits.max_bytes}", label)
+    overrun = mp4_box_overrun(data)
+    try:
+        container = av.open(io.BytesIO(data), mode="r")
+    except av.FFmpegError as e:
+        raise _open_error(data, overrun, e, label) from e
+    with container:
+        fmt = container.format.name or ""
+        if fmt.endswith("_pipe") or fmt == "image2":
+            raise MediaError("unsupported", f"an image ({fmt}) was given where a video was expected", label)
+        if not container.streams.video:
+            raise MediaError("unsupported", "no video stream in the container (audio-only or data file?)", label)
+        stream = container.streams.video[0]
+        stream.thread_type = "AUTO"
+        rate = float(stream.average_rate) if stream.average_rate else 0.0
+        duration = _duration(container, stream)
+        if duration > limits.max_video_seconds:
+            raise MediaError("too_large", f"{duration:.1f} s > limit {limits.max_video_seconds:.0f} s", label)
+        declared = int(stream.frames or 0)
+        if declared > limits.max_video_frames:
+            raise MediaError("too_large", f"{declared} frames > limit {limits.max_video_frames}", label)
+        return _sample(container, stream, declared, duration, rate, num_frames, fps, limits, overrun, label)
+
+
+def _sample(container, stream, declared, duration, rate, num_frames, fps, limits, overrun, label) -> VideoClip:
+    """One decoding pass. With a declared frame count, pick indices; otherwise keep frames and pick at the end."""
+    wanted: set[int] | None = None
+    if num_frames is not None and declared > 0:
+        wanted = set(uniform_indices(declared, num_frames))
+    picked: list[tuple[float, Image.Image]] = []
+    kept: list[tuple[float, av.VideoFrame]] = []
+    next_t = 0.0
+    count = 0
+    error: Exception | None = None
+    try:
+        for frame in container.decode(stream):
+            t = float(frame.time) if frame.time is not None else count / (rate or 1.0)
+            if wanted is not None:
+                if count in wanted:
+                    picked.append((t, frame.to_image()))
+            elif fps is not None:
+                if t + 1e-6 >= next_t:
+                    picked.append((t, frame.to_image()))
+                    next_t += 1.0 / fps
+                    while next_t <= t:
+                        next_t += 1.0 / fps
+            else:
+                kept.append((t, frame))
+            count += 1
+            if count > limits.max_video_frames:
+                raise MediaError("too_large", f"more than {limits.max_video_frames} frames", label)
+            if wanted is not None and len(picked) == len(wanted):
+                break
+    except MediaError:
+        raise
+    except (av.FFmpegError, OSError, ValueError) as e:
+        error = e
+    got_all = wanted is None or len(picked) == len(wanted)
+    if count == 0:
+        kind = "truncated" if overrun else "corrupt"
+        raise MediaError(kind, f"no decodable frame{': ' + str(error) if error else ''}", label)
+    if not got_all or (error is not None and overrun):
+        kind = "truncated" if (overrun or declared > count) else "corrupt"
+        raise MediaError(kind, f"stream ended after {count} of {declared or '?'} frames", label)
+    if wanted is None and fps is None:
+        idx = uniform_indices(len(kept), num_frames)
+        picked = [(kept[i][0], kept[i][1].to_image()) for i in idx]
+    total = max(declared, count)
+    frames = [img.convert("RGB") if img.mode != "RGB" else img for _, img in picked]
+    return VideoClip(frames, [t for t, _ in picked], total, duration, rate)
+
+
+def uniform_indices(total: int, n: int) -> list[int]:
+    """`n` frame indices spread evenly over `total` frames (the HF / LLaVA-NeXT-Video convention)."""
+    if total <= 0:
+        return []
+    return np.linspace(0, total - 1, num=n).round().astype(int).tolist()
+
+
+def _duration(container, stream) -> float:
+    if stream.duration is not None and stream.time_base is not None:
+        return float(stream.duration * stream.time_base)
+    if container.duration is not None:
+        return container.duration / 1_000_000
+    return 0.0
+
+
+def mp4_box_overrun(data: bytes) -> bool:
+    """True when an MP4/MOV file's top-level boxes claim more bytes than the file has (a cut-off download)."""
+    if len(data) < 12 or data[4:8] != b"ftyp":
+        return False
+    off = 0
+    while off + 8 <= len(data):
+        size, _kind = struct.unpack(">I4s", data[off:off + 8])
+        if size == 1:
+            if off + 16 > len(data):
+                return True
+            size = struct.unpack(">Q", data[off + 8:off + 16])[0]
+        elif size == 0:
+            return False
+        if size < 8:
+            return False
+        if off + size > len(data):
+            return True
+        off += size
+    return off != len(data)
+
+
+def _open_error(data: bytes, overrun: bool, e: Exception, label: str | None) -> MediaError:
+    if overrun:
+        return MediaError("truncated", f"the file is cut short ({e})", label)
+    if data[4:8] == b"ftyp" or data.startswith(_VIDEO_MAGIC_AT0):
+        return MediaError("corrupt", f"video container is damaged: {e}", label)
+    return MediaError("unsupported", f"not a recognised video container: {e}", label)

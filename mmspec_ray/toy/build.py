@@ -1,0 +1,199 @@
+"""`mmspec toy build`: generate the toy data set, train the tokenizer and the toy target, save all with save_pretrained.
+
+Deterministic by seed and idempotent: a finished build leaves a stamp under $MMSPEC_HOME/toy/<name>/ and is reused.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from tqdm.auto import tqdm
+
+from mmspec_ray.media import load_image, load_video
+from mmspec_ray.toy.clips import Clip, encode_mp4, render_clip, sample_clip
+from mmspec_ray.toy.model import TOY_SIZES, ToySize, build_model, build_processor, tokens_per_image
+from mmspec_ray.toy.scenes import Scene, encode_image, render_scene, sample_scene
+from mmspec_ray.toy.text import clip_examples, scene_examples
+from mmspec_ray.toy.tokenizer import train_tokenizer
+from mmspec_ray.toy.train import make_item, train_target
+
+log = logging.getLogger(__name__)
+SPLITS = ("train", "validation", "test")
+BUILD_VERSION = 1  # bump when the data or model recipe changes, to invalidate caches
+
+
+def mmspec_home() -> Path:
+    return Path(os.environ.get("MMSPEC_HOME", Path.home() / ".cache" / "mmspec"))
+
+
+@dataclass(frozen=True)
+class ToyWorld:
+    """Paths of a built toy world."""
+
+    root: Path
+
+    @property
+    def target(self) -> Path:
+        return self.root / "target"
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data"
+
+    def examples(self, split: str) -> Path:
+        return self.data / f"{split}.parquet"
+
+    def kinetics_csv(self, split: str) -> Path:
+        return self.data / f"kinetics_{split}.csv"
+
+    @property
+    def clips(self) -> Path:
+        return self.data / "clips"
+
+    def manifest(self) -> dict:
+        return json.loads((self.root / "manifest.json").read_text())
+
+
+def world_dir(name: str, seed: int, home: Path | None = None) -> Path:
+    return (home or mmspec_home()) / "toy" / f"{name}-seed{seed}-v{BUILD_VERSION}"
+
+
+def build_toy(name: str = "toy-s", seed: int = 0, home: Path | None = None, force: bool = False) -> ToyWorld:
+    """Build (or reuse) the toy world `name`. Returns its paths."""
+    if name not in TOY_SIZES:
+        raise ValueError(f"unknown toy size {name!r}; choose one of {sorted(TOY_SIZES)}")
+    size = TOY_SIZES[name]
+    root = world_dir(name, seed, home)
+    world = ToyWorld(root)
+    if (root / ".complete").exists() and not force:
+        log.info("toy world %s already built at %s", name, root)
+        return world
+    if root.exists():
+        shutil.rmtree(root)
+    tmp = root.with_name(root.name + ".partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    t0 = time.time()
+    timings: dict[str, float] = {}
+    staged = ToyWorld(tmp)
+    rng = np.random.default_rng(seed)
+    scenes, clips = sample_splits(size, rng)
+    write_data(staged, scenes, clips, seed)
+    timings["data_s"] = time.time() - t0
+    t1 = time.time()
+    tokenizer = train_tokenizer(corpus(staged))
+    processor = build_processor(size, tokenizer)
+    torch.manual_seed(seed)
+    model = build_model(size, tokenizer)
+    items, pixels = training_items(staged, size, processor)
+    timings["prepare_s"] = time.time() - t1
+    t2 = time.time()
+    losses = train_target(model, items, pixels, epochs=size.epochs, batch_size=size.batch_size, lr=size.lr,
+                          seed=seed, pad_id=tokenizer.pad_token_id)
+    timings["train_s"] = time.time() - t2
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(staged.target)
+    processor.save_pretrained(staged.target)
+    (staged.target / "mmspec_toy.json").write_text(json.dumps({"video_frames": size.video_frames}))
+    timings["total_s"] = time.time() - t0
+    manifest = {
+        "name": name, "seed": seed, "build_version": BUILD_VERSION, "size": asdict(size), "timings": timings,
+        "train_examples": len(items), "train_steps": len(losses), "final_loss": float(np.mean(losses[-20:])),
+        "params": sum(p.numel() for p in model.parameters()), "torch": torch.__version__,
+    }
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    (tmp / ".complete").write_text("ok\n")
+    tmp.rename(root)
+    log.info("built %s in %.0f s at %s", name, timings["total_s"], root)
+    return world
+
+
+def sample_splits(size: ToySize, rng: np.random.Generator) -> tuple[dict[str, list[Scene]], dict[str, list[Clip]]]:
+    """Draw scenes and clips for every split; no scene or clip content is shared between splits."""
+    want_s = {"train": size.train_scenes, "validation": size.eval_scenes, "test": size.eval_scenes}
+    want_c = {"train": size.train_clips, "validation": size.eval_clips, "test": size.eval_clips}
+    seen: set = set()
+    scenes: dict[str, list[Scene]] = {}
+    clips: dict[str, list[Clip]] = {}
+    for split in SPLITS:
+        scenes[split] = _unique(lambda: sample_scene(rng), want_s[split], seen)
+        clips[split] = _unique(lambda: sample_clip(rng), want_c[split], seen)
+    return scenes, clips
+
+
+def _unique(draw, n: int, seen: set) -> list:
+    out = []
+    while len(out) < n:
+        x = draw()
+        if x.key() not in seen:
+            seen.add(x.key())
+            out.append(x)
+    return out
+
+
+def write_data(world: ToyWorld, scenes: dict[str, list[Scene]], clips: dict[str, list[Clip]], seed: int) -> None:
+    """Images as PNG/JPEG, clips as mp4, examples as parquet, clip annotations as a Kinetics-style CSV."""
+    size = 96
+    for split in SPLITS:
+        rng = np.random.default_rng([seed, SPLITS.index(split)])
+        rows: list[dict] = []
+        img_dir = world.data / "images" / split
+        clip_dir = world.clips / split
+        img_dir.mkdir(parents=True, exist_ok=True)
+        clip_dir.mkdir(parents=True, exist_ok=True)
+        for i, sc in enumerate(tqdm(scenes[split], desc=f"render {split} scenes", unit="scene")):
+            fmt = "JPEG" if rng.random() < 0.3 else "PNG"
+            rel = f"images/{split}/scene{i:05d}.{'jpg' if fmt == 'JPEG' else 'png'}"
+            (world.data / rel).write_bytes(encode_image(render_scene(sc, size), fmt))
+            meta = json.dumps({"objects": [asdict(o) for o in sc.objects], "background": sc.background,
+                               "tone": sc.tone})
+            for j, ex in enumerate(scene_examples(sc, rng)):
+                rows.append({"id": f"{split}-s{i:05d}-{j}", "media_type": "image", "media_path": rel,
+                             "task": ex.task, "prompt": ex.prompt, "answer": ex.answer, "meta": meta})
+        csv = ["label,youtube_id,time_start,time_end,split"]
+        for i, cl in enumerate(tqdm(clips[split], desc=f"render {split} clips", unit="clip")):
+            rel = f"clips/{split}/{cl.filename}"
+            (world.data / rel).write_bytes(encode_mp4(render_clip(cl, size)))
+            csv.append(f'"{cl.action}",{cl.youtube_id},{cl.time_start},{cl.time_end},{split}')
+            meta = json.dumps(asdict(cl))
+            for j, ex in enumerate(clip_examples(cl, rng)):
+                rows.append({"id": f"{split}-c{i:05d}-{j}", "media_type": "video", "media_path": rel,
+                             "task": ex.task, "prompt": ex.prompt, "answer": ex.answer, "meta": meta})
+        pq.write_table(pa.Table.from_pylist(rows), world.examples(split))
+        world.kinetics_csv(split).write_text("\n".join(csv) + "\n")
+
+
+def corpus(world: ToyWorld) -> list[str]:
+    """Text the tokenizer is trained on: every train prompt and answer, and the chat roles."""
+    t = pq.read_table(world.examples("train"), columns=["prompt", "answer"]).to_pydict()
+    return ["user\nassistant\nsystem\n"] * 50 + t["prompt"] + t["answer"]
+
+
+def training_items(world: ToyWorld, size: ToySize, processor) -> tuple[list, torch.Tensor]:
+    """Tokenise the train split and preprocess each distinct image/clip once into a shared pixel bank."""
+    t = pq.read_table(world.examples("train")).to_pylist()
+    ntok = tokens_per_image(size)
+    bank: dict[str, list[int]] = {}
+    frames = []
+    for row in tqdm(t, desc="preprocess", unit="example"):
+        path = row["media_path"]
+        if path not in bank:
+            src = str(world.data / path)
+            imgs = [load_image(src)] if row["media_type"] == "image" else load_video(src, size.video_frames).frames
+            bank[path] = list(range(len(frames), len(frames) + len(imgs)))
+            frames += imgs
+    pixels = processor.image_processor(images=frames, return_tensors="pt")["pixel_values"]
+    items = [make_item(processor, ntok, r["prompt"], r["answer"], tuple(bank[r["media_path"]])) for r in t]
+    return items, pixels

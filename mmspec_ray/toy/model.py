@@ -1,0 +1,111 @@
+"""Toy target VLM: a stock transformers LLaVA (CLIP vision tower + Llama text model) at toy sizes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import (
+    CLIPImageProcessorPil,
+    CLIPVisionConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    LlavaProcessor,
+    PreTrainedTokenizerFast,
+)
+
+from mmspec_ray.toy.tokenizer import IMAGE
+
+
+@dataclass(frozen=True)
+class ToySize:
+    """Everything that differs between toy-s and toy-m: data volume, model width/depth, training length."""
+
+    name: str
+    image_size: int
+    patch_size: int
+    vision_hidden: int
+    vision_layers: int
+    text_hidden: int
+    text_layers: int
+    text_heads: int
+    text_kv_heads: int
+    train_scenes: int
+    train_clips: int
+    eval_scenes: int
+    eval_clips: int
+    epochs: float
+    batch_size: int
+    lr: float
+    video_frames: int = 4  # frames the target sees per clip (uniformly sampled)
+
+
+TOY_SIZES: dict[str, ToySize] = {
+    "toy-s": ToySize("toy-s", image_size=96, patch_size=32, vision_hidden=128, vision_layers=2,
+                     text_hidden=192, text_layers=4, text_heads=4, text_kv_heads=2,
+                     train_scenes=3000, train_clips=1200, eval_scenes=200, eval_clips=100,
+                     epochs=2.5, batch_size=32, lr=2e-3),
+    "toy-m": ToySize("toy-m", image_size=96, patch_size=16, vision_hidden=192, vision_layers=3,
+                     text_hidden=768, text_layers=8, text_heads=12, text_kv_heads=4,
+                     train_scenes=6000, train_clips=2400, eval_scenes=300, eval_clips=150,
+                     epochs=3.0, batch_size=32, lr=1e-3),
+}
+
+
+def tokens_per_image(size: ToySize) -> int:
+    return (size.image_size // size.patch_size) ** 2
+
+
+def build_processor(size: ToySize, tokenizer: PreTrainedTokenizerFast) -> LlavaProcessor:
+    """CLIP-style preprocessing (resize, centre crop, normalise) + the tokenizer + the chat template."""
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": size.image_size},
+        crop_size={"height": size.image_size, "width": size.image_size},
+    )
+    return LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=size.patch_size,
+        vision_feature_select_strategy="default",
+        chat_template=tokenizer.chat_template,
+        image_token=IMAGE,
+        num_additional_image_tokens=1,
+    )
+
+
+def build_model(size: ToySize, tokenizer: PreTrainedTokenizerFast) -> LlavaForConditionalGeneration:
+    """A randomly initialised LLaVA of the given size (trained by toy.train)."""
+    vision = CLIPVisionConfig(
+        hidden_size=size.vision_hidden,
+        intermediate_size=size.vision_hidden * 4,
+        num_hidden_layers=size.vision_layers,
+        num_attention_heads=max(2, size.vision_hidden // 64),
+        image_size=size.image_size,
+        patch_size=size.patch_size,
+        projection_dim=size.vision_hidden,
+    )
+    text = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=size.text_hidden,
+        intermediate_size=int(size.text_hidden * 8 / 3) // 32 * 32,
+        num_hidden_layers=size.text_layers,
+        num_attention_heads=size.text_heads,
+        num_key_value_heads=size.text_kv_heads,
+        max_position_embeddings=8192,
+        rope_theta=10000.0,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+    )
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE),
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        image_seq_length=tokens_per_image(size),
+        projector_hidden_act="gelu",
+    )
+    return LlavaForConditionalGeneration(config)
