@@ -1,6 +1,147 @@
-"""The `mmspec` command."""
+"""The `mmspec` command: build the toy world, check its quality, generate answers, run the demo."""
+
 from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+log = logging.getLogger("mmspec")
+
+
+def resolve_target(target: str) -> Path:
+    """A checkpoint directory, or the name of a toy world (built on first use)."""
+    from mmspec_ray.toy.model import TOY_SIZES
+
+    if target in TOY_SIZES:
+        from mmspec_ray.toy.build import build_toy
+
+        return build_toy(target).target
+    return Path(target)
+
+
+def cmd_toy_build(a: argparse.Namespace) -> int:
+    from mmspec_ray.toy.build import build_toy
+
+    w = build_toy(a.size, seed=a.seed, force=a.force)
+    print(json.dumps({"root": str(w.root), **w.manifest()["timings"]}, indent=2))
+    return 0
+
+
+def cmd_toy_gate(a: argparse.Namespace) -> int:
+    from mmspec_ray.toy.build import build_toy
+    from mmspec_ray.toy.quality import evaluate, report_markdown
+
+    w = build_toy(a.size, seed=a.seed)
+    rep = evaluate(w.target, w.data, a.split, max_scenes=a.max_scenes, max_clips=a.max_clips)
+    print(report_markdown(rep, a.size))
+    return 0 if rep.passed() else 1
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    import torch
+
+    from mmspec_ray.media import load_image, load_video
+    from mmspec_ray.targets.hf import chat_inputs, load_hf_vlm, video_frames_for
+
+    path = resolve_target(a.target)
+    model, processor = load_hf_vlm(path)
+    if a.image and a.video:
+        raise SystemExit("give --image or --video, not both")
+    images = [load_image(a.image)] if a.image else []
+    if a.video:
+        images = load_video(a.video, a.num_frames or video_frames_for(path)).frames
+    inputs = chat_inputs(processor, a.prompt, images)
+    if a.seed is not None:
+        torch.manual_seed(a.seed)
+    kw = dict(do_sample=a.temperature > 0, max_new_tokens=a.max_new_tokens)
+    if a.temperature > 0:
+        kw.update(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
+    with torch.inference_mode():
+        out = model.generate(**inputs, **kw)
+    print(processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+    return 0
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    """Build the toy world if missing and caption a few held-out toy clips with the toy target."""
+    import csv
+
+    import torch
+
+    from mmspec_ray.media import load_video
+    from mmspec_ray.targets.hf import chat_inputs, load_hf_vlm, video_frames_for
+    from mmspec_ray.toy.build import build_toy
+
+    w = build_toy(a.size)
+    model, processor = load_hf_vlm(w.target)
+    nf = video_frames_for(w.target)
+    with open(w.kinetics_csv("test")) as f:
+        rows = list(csv.DictReader(f))[: a.limit]
+    for r in rows:
+        clip = w.clips / "test" / f"{r['youtube_id']}_{int(r['time_start']):06d}_{int(r['time_end']):06d}.mp4"
+        inputs = chat_inputs(processor, "Describe what happens in the video.", load_video(str(clip), nf).frames)
+        with torch.inference_mode():
+            out = model.generate(**inputs, do_sample=False, max_new_tokens=a.max_new_tokens)
+        text = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        print(f"{clip.name}  label={r['label']!r}\n  -> {text}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mmspec", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    toy = sub.add_parser("toy", help="the embedded toy world").add_subparsers(dest="toy_cmd", required=True)
+    b = toy.add_parser("build", help="build (or reuse) a toy world under $MMSPEC_HOME")
+    b.add_argument("--size", default="toy-s", choices=["toy-s", "toy-m"])
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--force", action="store_true", help="rebuild even if cached")
+    b.set_defaults(fn=cmd_toy_build)
+    g = toy.add_parser("gate", help="quality gate of a toy target on a held-out split")
+    g.add_argument("--size", default="toy-s", choices=["toy-s", "toy-m"])
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--split", default="test")
+    g.add_argument("--max-scenes", type=int, default=None)
+    g.add_argument("--max-clips", type=int, default=None)
+    g.set_defaults(fn=cmd_toy_gate)
+
+    gen = sub.add_parser("generate", help="answer one prompt about an image or a video")
+    gen.add_argument("--target", default="toy-s", help="checkpoint directory, or toy-s / toy-m")
+    gen.add_argument("--image")
+    gen.add_argument("--video")
+    gen.add_argument("--num-frames", type=int, default=None, help="frames sampled from --video")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.set_defaults(fn=cmd_generate)
+
+    d = sub.add_parser("demo", help="build the toy world if needed and caption a few toy clips")
+    d.add_argument("--size", default="toy-s", choices=["toy-s", "toy-m"])
+    d.add_argument("--limit", type=int, default=5)
+    d.add_argument("--max-new-tokens", type=int, default=64)
+    d.set_defaults(fn=cmd_demo)
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    return 0
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return a.fn(a)
+    except Exception as e:  # clear one-line error for users; traceback with -v
+        if a.verbose:
+            raise
+        print(f"mmspec: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

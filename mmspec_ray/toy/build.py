@@ -72,8 +72,12 @@ def build_toy(name: str = "toy-s", seed: int = 0, home: Path | None = None, forc
     """Build (or reuse) the toy world `name`. Returns its paths."""
     if name not in TOY_SIZES:
         raise ValueError(f"unknown toy size {name!r}; choose one of {sorted(TOY_SIZES)}")
-    size = TOY_SIZES[name]
-    root = world_dir(name, seed, home)
+    return build_world(TOY_SIZES[name], seed, world_dir(name, seed, home), force)
+
+
+def build_world(size: ToySize, seed: int, root: Path, force: bool = False) -> ToyWorld:
+    """Build a toy world of any size into `root` (atomically: staged in a .partial folder, then renamed)."""
+    name = size.name
     world = ToyWorld(root)
     if (root / ".complete").exists() and not force:
         log.info("toy world %s already built at %s", name, root)

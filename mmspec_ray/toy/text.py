@@ -89,7 +89,8 @@ def detailed(scene: Scene, rng: np.random.Generator) -> str:
         big = max(scene.objects, key=lambda o: ("small", "medium", "large").index(o.size))
         s.append(f"The biggest object is the {big.colour} {big.shape} {PLACE[big.position]}.")
     else:
-        s.append("Nothing else is in the picture.")
+        o = scene.objects[0]
+        s.append(f"Nothing else is in the picture, so the {o.colour} {o.shape} is the only thing to look at.")
     return " ".join(s)
 
 

@@ -1,0 +1,144 @@
+"""Toy world: determinism, disjoint splits, real media files, answer lengths, save/load through the Auto classes."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import hashlib
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from mmspec_ray.media import load_image, load_video
+from mmspec_ray.targets.hf import chat_inputs
+from mmspec_ray.toy.build import SPLITS, ToyWorld, build_world, corpus, sample_splits, write_data
+from mmspec_ray.toy.model import TOY_SIZES, build_model, build_processor
+from mmspec_ray.toy.quality import is_degenerate, parse_objects
+from mmspec_ray.toy.text import detailed
+from mmspec_ray.toy.tokenizer import train_tokenizer
+from mmspec_ray.toy.vocab import ACTIONS, COLOURS, SHAPES
+
+MICRO = dataclasses.replace(
+    TOY_SIZES["toy-s"], name="toy-micro", vision_hidden=32, vision_layers=1, text_hidden=64, text_layers=2,
+    text_heads=2, text_kv_heads=1, train_scenes=24, train_clips=10, eval_scenes=6, eval_clips=4, epochs=1.0,
+    batch_size=8, lr=1e-3)
+
+
+def _tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_data_is_deterministic_by_seed(tmp_path: Path) -> None:
+    digests = []
+    for k in range(2):
+        w = ToyWorld(tmp_path / f"w{k}")
+        scenes, clips = sample_splits(MICRO, np.random.default_rng(7))
+        write_data(w, scenes, clips, seed=7)
+        digests.append(_tree_digest(w.data))
+    assert digests[0] == digests[1]
+    assert len(digests[0]) > 3 * (6 + 4)  # images, clips, parquet and csv files were written
+    other = ToyWorld(tmp_path / "w_other")
+    s2, c2 = sample_splits(MICRO, np.random.default_rng(8))
+    write_data(other, s2, c2, seed=8)
+    assert _tree_digest(other.data) != digests[0]
+
+
+def test_splits_share_no_scene_or_clip() -> None:
+    size = dataclasses.replace(MICRO, train_scenes=400, train_clips=200, eval_scenes=100, eval_clips=50)
+    scenes, clips = sample_splits(size, np.random.default_rng(0))
+    for a in SPLITS:
+        for b in SPLITS:
+            if a < b:
+                assert not {s.key() for s in scenes[a]} & {s.key() for s in scenes[b]}
+                assert not {c.key() for c in clips[a]} & {c.key() for c in clips[b]}
+    train = scenes["train"]
+    assert {len(s.objects) for s in train} == {1, 2, 3, 4}
+    assert {o.shape for s in train for o in s.objects} == set(SHAPES)
+    assert {o.colour for s in train for o in s.objects} == set(COLOURS)
+    assert {o.size for s in train for o in s.objects} == {"small", "medium", "large"}
+    assert {o.cell for s in train for o in s.objects} == set(range(9))
+    assert {c.action for c in clips["train"]} == set(ACTIONS)
+    assert all(8 <= c.num_frames <= 16 for c in clips["train"])
+
+
+def test_written_media_and_annotations_are_real(tmp_path: Path) -> None:
+    w = ToyWorld(tmp_path)
+    scenes, clips = sample_splits(MICRO, np.random.default_rng(1))
+    write_data(w, scenes, clips, seed=1)
+    rows = pq.read_table(w.examples("test")).to_pylist()
+    assert {r["task"] for r in rows} >= {"caption", "detail", "video_caption", "video_detail"}
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids))
+    img_row = next(r for r in rows if r["media_type"] == "image")
+    img = load_image(str(w.data / img_row["media_path"]))
+    assert img.size == (96, 96) and img.mode == "RGB"
+    with open(w.kinetics_csv("test")) as f:
+        ann = list(csv.DictReader(f))
+    assert list(ann[0]) == ["label", "youtube_id", "time_start", "time_end", "split"]
+    assert len(ann) == MICRO.eval_clips and all(a["label"] in ACTIONS and a["split"] == "test" for a in ann)
+    a = ann[0]
+    clip_path = w.clips / "test" / f"{a['youtube_id']}_{int(a['time_start']):06d}_{int(a['time_end']):06d}.mp4"
+    clip = load_video(str(clip_path), num_frames=4)
+    assert len(clip.frames) == 4 and 8 <= clip.total_frames <= 16
+
+
+def test_detailed_descriptions_are_long_and_tokenizer_is_deterministic(tmp_path: Path) -> None:
+    w = ToyWorld(tmp_path)
+    scenes, clips = sample_splits(MICRO, np.random.default_rng(2))
+    write_data(w, scenes, clips, seed=2)
+    t1, t2 = train_tokenizer(corpus(w)), train_tokenizer(corpus(w))
+    assert t1.get_vocab() == t2.get_vocab()
+    rng = np.random.default_rng(0)
+    big = dataclasses.replace(MICRO, train_scenes=300)
+    lens = [len(t1(detailed(s, rng))["input_ids"]) for s in sample_splits(big, np.random.default_rng(3))[0]["train"]]
+    assert 60 <= min(lens) and max(lens) <= 200, (min(lens), max(lens))
+
+
+def test_parse_objects_and_degeneracy() -> None:
+    got = parse_objects("A large red circle at the top, a small blue star on the left and a medium white cross.")
+    assert got == [("red", "circle"), ("blue", "star"), ("white", "cross")]
+    assert is_degenerate([5, 6] + [7] * 8) and not is_degenerate([5, 6, 7, 8, 9, 10, 11, 12, 2])
+
+
+def test_save_load_round_trip_with_auto_classes(tmp_path: Path) -> None:
+    tok = train_tokenizer(["user assistant a red circle", "Describe the image briefly."] * 20)
+    proc = build_processor(MICRO, tok)
+    torch.manual_seed(0)
+    model = build_model(MICRO, tok).eval()
+    model.save_pretrained(tmp_path)
+    proc.save_pretrained(tmp_path)
+    model2 = AutoModelForImageTextToText.from_pretrained(tmp_path).eval()
+    proc2 = AutoProcessor.from_pretrained(tmp_path)
+    assert type(model2) is type(model)
+    img = load_image_from_array(np.random.default_rng(0).integers(0, 255, (96, 96, 3), dtype=np.uint8))
+    a, b = chat_inputs(proc, "Describe the image briefly.", [img]), chat_inputs(proc2, "Describe the image briefly.", [img])
+    assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["pixel_values"], b["pixel_values"])
+    assert int((a["input_ids"] == model.config.image_token_id).sum()) == 9
+    with torch.no_grad():
+        assert torch.equal(model(**a).logits, model2(**b).logits)
+
+
+def load_image_from_array(arr: np.ndarray):
+    from PIL import Image
+
+    return Image.fromarray(arr)
+
+
+def test_build_world_is_idempotent_and_deterministic(tmp_path: Path) -> None:
+    w1 = build_world(MICRO, seed=3, root=tmp_path / "a")
+    stamp = (w1.root / ".complete").stat().st_mtime_ns
+    again = build_world(MICRO, seed=3, root=tmp_path / "a")
+    assert (again.root / ".complete").stat().st_mtime_ns == stamp  # reused, not rebuilt
+    w2 = build_world(MICRO, seed=3, root=tmp_path / "b")
+    m = w1.manifest()
+    assert m["train_steps"] > 0 and m["train_examples"] == MICRO.train_scenes * 4 + MICRO.train_clips * 3
+    d1, d2 = _tree_digest(w1.target), _tree_digest(w2.target)
+    assert d1 == d2, "same seed must give byte-identical weights and processor files"
+    model = AutoModelForImageTextToText.from_pretrained(w1.target)
+    assert model.config.model_type == "llava"
