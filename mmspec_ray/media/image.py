@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import warnings
 
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -17,9 +18,12 @@ _IMAGE_MAGIC = (
 )
 
 
-def load_image(source: bytes | str, limits: MediaLimits | None = None, s3: S3Config | None = None) -> Image.Image:
+def load_image(source: bytes | str | os.PathLike, limits: MediaLimits | None = None,
+               s3: S3Config | None = None) -> Image.Image:
     """Decode `source` (raw bytes, a local path, file:// or s3:// URI). Raises MediaError on any bad input."""
     limits = limits or MediaLimits()
+    if isinstance(source, os.PathLike):
+        source = os.fspath(source)
     label = source if isinstance(source, str) else None
     data = read_bytes(source, limits, s3) if isinstance(source, str) else bytes(source)
     return decode_image_bytes(data, limits, label)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import struct
 from dataclasses import dataclass
 
@@ -17,6 +18,9 @@ from mmspec_ray.media.io import read_bytes
 _VIDEO_MAGIC_AT0 = (b"\x1a\x45\xdf\xa3", b"RIFF", b"FLV", b"OggS", b"\x00\x00\x01\xba", b"\x00\x00\x01\xb3")
 
 
+DEFAULT_NUM_FRAMES = 8  # uniform frames when neither num_frames nor fps is given
+
+
 @dataclass(frozen=True)
 class VideoClip:
     """Sampled frames of one video."""
@@ -29,14 +33,16 @@ class VideoClip:
 
 
 def load_video(
-    source: bytes | str,
-    num_frames: int | None = 8,
+    source: bytes | str | os.PathLike,
+    num_frames: int | None = None,
     fps: float | None = None,
     limits: MediaLimits | None = None,
     s3: S3Config | None = None,
 ) -> VideoClip:
-    """Decode `source` and sample `num_frames` frames uniformly, or one frame every 1/`fps` s when fps is given."""
+    """Decode `source` and sample `num_frames` frames uniformly (default 8), or one frame every 1/`fps` s."""
     limits = limits or MediaLimits()
+    if isinstance(source, os.PathLike):
+        source = os.fspath(source)
     label = source if isinstance(source, str) else None
     data = read_bytes(source, limits, s3) if isinstance(source, str) else bytes(source)
     return decode_video_bytes(data, num_frames=num_frames, fps=fps, limits=limits, label=label)
@@ -44,15 +50,17 @@ def load_video(
 
 def decode_video_bytes(
     data: bytes,
-    num_frames: int | None = 8,
+    num_frames: int | None = None,
     fps: float | None = None,
     limits: MediaLimits | None = None,
     label: str | None = None,
 ) -> VideoClip:
     """Decode video bytes. Raises MediaError (empty, too_large, truncated, corrupt, unsupported) on bad input."""
     limits = limits or MediaLimits()
-    if (num_frames is None) == (fps is None):
-        raise ValueError("give exactly one of num_frames or fps")
+    if num_frames is not None and fps is not None:
+        raise ValueError("give num_frames or fps, not both")
+    if num_frames is None and fps is None:
+        num_frames = DEFAULT_NUM_FRAMES
     if num_frames is not None and num_frames < 1:
         raise ValueError("num_frames must be >= 1")
     if fps is not None and fps <= 0:
@@ -71,6 +79,8 @@ def decode_video_bytes(
         if fmt.endswith("_pipe") or fmt == "image2":
             raise MediaError("unsupported", f"an image ({fmt}) was given where a video was expected", label)
         if not container.streams.video:
+            if overrun:  # the stream table itself was cut off
+                raise MediaError("truncated", "the file is cut short before its video stream is described", label)
             raise MediaError("unsupported", "no video stream in the container (audio-only or data file?)", label)
         stream = container.streams.video[0]
         stream.thread_type = "AUTO"
@@ -121,11 +131,14 @@ def _sample(container, stream, declared, duration, rate, num_frames, fps, limits
     if count == 0:
         kind = "truncated" if overrun else "corrupt"
         raise MediaError(kind, f"no decodable frame{': ' + str(error) if error else ''}", label)
-    if not got_all or (error is not None and overrun):
+    # A cut-off file must not pass as a shorter clip: in fps mode (or without a declared count) `got_all` is
+    # always true, so also fail when the file is provably cut and fewer frames decoded than the container lists.
+    if not got_all or (overrun and (error is not None or declared > count)):
         kind = "truncated" if (overrun or declared > count) else "corrupt"
         raise MediaError(kind, f"stream ended after {count} of {declared or '?'} frames", label)
     if wanted is None and fps is None:
-        idx = uniform_indices(len(kept), num_frames)
+        # Same rule as with a declared count: each frame at most once (asking for more frames yields all of them).
+        idx = sorted(set(uniform_indices(len(kept), num_frames)))
         picked = [(kept[i][0], kept[i][1].to_image()) for i in idx]
     total = max(declared, count)
     frames = [img.convert("RGB") if img.mode != "RGB" else img for _, img in picked]
@@ -149,7 +162,7 @@ def _duration(container, stream) -> float:
 
 def mp4_box_overrun(data: bytes) -> bool:
     """True when an MP4/MOV file's top-level boxes claim more bytes than the file has (a cut-off download)."""
-    if len(data) < 12 or data[4:8] != b"ftyp":
+    if len(data) < 8 or data[4:8] != b"ftyp":
         return False
     off = 0
     while off + 8 <= len(data):
@@ -168,8 +181,25 @@ def mp4_box_overrun(data: bytes) -> bool:
     return off != len(data)
 
 
+def _mp4_lacks_moov(data: bytes) -> bool:
+    """True for an MP4/MOV whose top-level boxes include no `moov` index (cut at a box boundary, or never finished)."""
+    if len(data) < 8 or data[4:8] != b"ftyp":
+        return False
+    off = 0
+    while off + 8 <= len(data):
+        size, kind = struct.unpack(">I4s", data[off:off + 8])
+        if kind == b"moov":
+            return False
+        if size == 1 and off + 16 <= len(data):
+            size = struct.unpack(">Q", data[off + 8:off + 16])[0]
+        if size < 8:  # 0 = "to the end of the file"; anything else is not a box
+            break
+        off += size
+    return True
+
+
 def _open_error(data: bytes, overrun: bool, e: Exception, label: str | None) -> MediaError:
-    if overrun:
+    if overrun or _mp4_lacks_moov(data):
         return MediaError("truncated", f"the file is cut short ({e})", label)
     if data[4:8] == b"ftyp" or data.startswith(_VIDEO_MAGIC_AT0):
         return MediaError("corrupt", f"video container is damaged: {e}", label)
