@@ -25,7 +25,8 @@ from mmspec_ray.toy.model import TOY_SIZES, ToySize, build_model, build_processo
 from mmspec_ray.toy.scenes import Scene, encode_image, render_scene, sample_scene
 from mmspec_ray.toy.text import clip_examples, scene_examples
 from mmspec_ray.toy.tokenizer import train_tokenizer
-from mmspec_ray.toy.train import make_item, train_target
+from mmspec_ray.toy.vocab import COLOURS, SHAPES, SIZES
+from mmspec_ray.toy.train import make_item, pretrain_vision, train_target
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "validation", "test")
@@ -100,9 +101,11 @@ def build_world(size: ToySize, seed: int, root: Path, force: bool = False) -> To
     processor = build_processor(size, tokenizer)
     torch.manual_seed(seed)
     model = build_model(size, tokenizer)
-    items, pixels = training_items(staged, size, processor)
+    items, pixels, cell_labels, scene_rows = training_items(staged, size, processor)
     timings["prepare_s"] = time.time() - t1
     t2 = time.time()
+    vision_acc = pretrain_vision(model, pixels[scene_rows], cell_labels, steps=size.vision_steps,
+                                 batch_size=128, lr=size.lr, seed=seed)
     losses = train_target(model, items, pixels, epochs=size.epochs, batch_size=size.batch_size, lr=size.lr,
                           seed=seed, pad_id=tokenizer.pad_token_id)
     timings["train_s"] = time.time() - t2
@@ -114,7 +117,7 @@ def build_world(size: ToySize, seed: int, root: Path, force: bool = False) -> To
     timings["total_s"] = time.time() - t0
     manifest = {
         "name": name, "seed": seed, "build_version": BUILD_VERSION, "size": asdict(size), "timings": timings,
-        "train_examples": len(items), "train_steps": len(losses), "final_loss": float(np.mean(losses[-20:])),
+        "train_examples": len(items), "vision_pretrain_cell_acc": vision_acc, "train_steps": len(losses), "final_loss": float(np.mean(losses[-20:])),
         "params": sum(p.numel() for p in model.parameters()), "torch": torch.__version__,
     }
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
@@ -185,19 +188,43 @@ def corpus(world: ToyWorld) -> list[str]:
     return ["user\nassistant\nsystem\n"] * 50 + t["prompt"] + t["answer"]
 
 
-def training_items(world: ToyWorld, size: ToySize, processor) -> tuple[list, torch.Tensor]:
-    """Tokenise the train split and preprocess each distinct image/clip once into a shared pixel bank."""
+def training_items(world: ToyWorld, size: ToySize, processor):
+    """Tokenise the train split and preprocess each distinct image/clip once into a shared pixel bank.
+
+    Also returns per-cell labels [num_scenes, patches, 3] (colour, shape, size; 0 = empty) for the scene images
+    and their rows in the pixel bank, for vision pretraining.
+    """
     t = pq.read_table(world.examples("train")).to_pylist()
     ntok = tokens_per_image(size)
     bank: dict[str, list[int]] = {}
     frames = []
+    labels: list[torch.Tensor] = []
+    scene_rows: list[int] = []
     for row in tqdm(t, desc="preprocess", unit="example"):
         path = row["media_path"]
         if path not in bank:
             src = str(world.data / path)
             imgs = [load_image(src)] if row["media_type"] == "image" else load_video(src, size.video_frames).frames
             bank[path] = list(range(len(frames), len(frames) + len(imgs)))
+            if row["media_type"] == "image":
+                scene_rows.append(len(frames))
+                labels.append(cell_labels(json.loads(row["meta"])["objects"], size))
             frames += imgs
     pixels = processor.image_processor(images=frames, return_tensors="pt")["pixel_values"]
     items = [make_item(processor, ntok, r["prompt"], r["answer"], tuple(bank[r["media_path"]])) for r in t]
-    return items, pixels
+    return items, pixels, torch.stack(labels), torch.tensor(scene_rows)
+
+
+def cell_labels(objects: list[dict], size: ToySize) -> torch.Tensor:
+    """[patches, 3] class ids of the object covering each patch (colour, shape, size; 0 = nothing there)."""
+    side = size.image_size // size.patch_size
+    per_cell = side // 3  # patches along one grid cell
+    lab = torch.zeros(side * side, 3, dtype=torch.long)
+    colours, sizes = list(COLOURS), list(SIZES)
+    for o in objects:
+        row, col = divmod(o["cell"], 3)
+        for pr in range(row * per_cell, (row + 1) * per_cell):
+            for pc in range(col * per_cell, (col + 1) * per_cell):
+                lab[pr * side + pc] = torch.tensor([colours.index(o["colour"]) + 1, SHAPES.index(o["shape"]) + 1,
+                                                    sizes.index(o["size"]) + 1])
+    return lab

@@ -1,0 +1,86 @@
+"""Finish conditions shared by every engine: eos ids, stop strings, max tokens; and the Generation record."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class GenerationStats:
+    """Where the time went and how much each target forward produced."""
+
+    prompt_tokens: int = 0
+    cycles: int = 0  # target forwards after prefill
+    accepted_per_cycle: list[int] = field(default_factory=list)  # accepted draft tokens per cycle (bonus excluded)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    overhead_s: float = 0.0  # acceptance, cache commit, bookkeeping
+    total_s: float = 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """τ as accepted draft tokens per cycle."""
+        return sum(self.accepted_per_cycle) / max(1, len(self.accepted_per_cycle))
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """τ as tokens committed per target forward (accepted + 1)."""
+        return self.mean_accepted + 1.0
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]  # generated ids, eos included when it ended the answer (as HF generate returns them)
+    text: str
+    finish_reason: FinishReason
+    stats: GenerationStats
+
+
+class OutputTracker:
+    """Accumulates committed tokens and decides when to stop."""
+
+    def __init__(self, tokenizer, eos_ids: set[int], max_new_tokens: int, stop: tuple[str, ...] = ()) -> None:
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.max_new_tokens = max_new_tokens
+        self.stop = tuple(s for s in stop if s)
+        self.ids: list[int] = []
+        self.finish: FinishReason | None = None
+        self.stop_at: int | None = None  # character offset where a stop string begins
+
+    def add(self, tokens: list[int]) -> bool:
+        """Append tokens in order until a finish condition fires; returns True when generation is over."""
+        for t in tokens:
+            self.ids.append(t)
+            if t in self.eos_ids:
+                self.finish = "stop"
+                return True
+            if self.stop and self._hit_stop():
+                self.finish = "stop"
+                return True
+            if len(self.ids) >= self.max_new_tokens:
+                self.finish = "length"
+                return True
+        return False
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - len(self.ids)
+
+    def _hit_stop(self) -> bool:
+        tail = self.tokenizer.decode(self.ids[-64:], skip_special_tokens=True)
+        return any(s in tail for s in self.stop)
+
+    def text(self) -> str:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        cut = [text.find(s) for s in self.stop if s in text]
+        return text[: min(cut)] if cut else text
+
+    def result(self, stats: GenerationStats) -> Generation:
+        return Generation(list(self.ids), self.text(), self.finish or "length", stats)

@@ -1,0 +1,51 @@
+"""Logit warping (temperature, top-k, top-p) and seeded sampling, shared by every decoder so they agree exactly."""
+
+from __future__ import annotations
+
+import torch
+
+from mmspec_ray.config import SamplingParams
+
+
+def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities over the last axis after temperature, then top-k, then top-p (HF's order).
+
+    Greedy (temperature 0) gives a one-hot at the argmax, so acceptance code can treat both modes alike.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly above each token
+        drop_sorted = before >= params.top_p  # keep the smallest prefix whose mass reaches top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
+    if params.seed is not None:
+        g.manual_seed(params.seed)
+    else:
+        g.seed()
+    return g
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token id from a 1-D probability vector."""
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """Next token from 1-D logits: argmax when greedy, else a warped sample."""
+    if params.greedy:
+        return int(logits.argmax().item())
+    return sample(warp(logits, params), generator)

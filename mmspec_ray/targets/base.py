@@ -1,0 +1,236 @@
+"""The target side of the core contract: prefill, tree verification and KV commit over a HF VLM's public API.
+
+One `VLMTarget` holds one HF `...ForConditionalGeneration` model and one request's KV cache (batch size 1).
+Families differ only in how a request becomes model inputs and how tree positions are numbered; they subclass.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from PIL import Image
+from transformers import DynamicCache
+
+log = logging.getLogger(__name__)
+
+
+class TargetError(ValueError):
+    """A request this target cannot serve (wrong media kind, too long, missing processor ...). Says what to do."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """One user turn: a text prompt (or OpenAI-style messages) plus its media."""
+
+    prompt: str | None = None
+    messages: list[dict] | None = None  # OpenAI-style; overrides `prompt` when given
+    images: tuple[Image.Image, ...] = ()
+    videos: tuple[tuple[Image.Image, ...], ...] = ()  # each video as its sampled RGB frames
+
+    def __post_init__(self) -> None:
+        if self.prompt is None and self.messages is None:
+            raise TargetError("a request needs a prompt or messages")
+
+
+@dataclass(frozen=True)
+class TargetOutput:
+    """What one target forward returns for its new positions (n = prompt length at prefill, tree size at verify)."""
+
+    logits: torch.Tensor  # [1, n, V] float32
+    hidden: torch.Tensor  # [1, n, d] last layer after the final norm: exactly what lm_head consumes
+    layers: dict[int, torch.Tensor] = field(default_factory=dict)  # {layer index: [1, n, d]} requested extras
+    input_ids: torch.Tensor | None = None  # [1, n]
+    inputs_embeds: torch.Tensor | None = None  # [1, n, d] prefill only: token embeddings with media merged in
+    media_mask: torch.Tensor | None = None  # [1, n] bool prefill only: True at image/video token positions
+
+
+class VLMTarget:
+    """Generic adapter. Subclasses set `family` and override `chat_content`, `processor_inputs` or `tree_positions`."""
+
+    family: ClassVar[str] = "generic"
+    model_types: ClassVar[tuple[str, ...]] = ()
+    takes_images: ClassVar[bool] = True
+    takes_video: ClassVar[bool] = False  # native video input (else a clip is rejected, or sent as frames)
+    video_as_frames: ClassVar[bool] = False  # send a clip as a sequence of images
+
+    def __init__(self, model, processor, feature_layers: tuple[int, ...] = ()) -> None:
+        if processor is None:
+            raise TargetError("this target has no processor; save one next to the checkpoint (processor.save_pretrained)")
+        self.model = model.eval()
+        self.processor = processor
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.feature_layers = tuple(feature_layers)
+        self.text_config = model.config.get_text_config()
+        self.cache: DynamicCache | None = None
+        self.seq_len = 0  # committed tokens in the KV cache
+        self.next_pos = 0  # position id of the next committed token (differs from seq_len under M-RoPE)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+
+    # ---------- model pieces drafters share ----------
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text_config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.text_config, "max_position_embeddings", 1 << 30))
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(ids)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.get_output_embeddings()(hidden)
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (self.model.generation_config.eos_token_id, self.text_config.eos_token_id,
+                    self.tokenizer.eos_token_id):
+            if src is None:
+                continue
+            ids.update(src if isinstance(src, (list, tuple)) else [src])
+        return ids
+
+    @property
+    def media_token_ids(self) -> set[int]:
+        ids = set()
+        for name in ("image_token_id", "image_token_index", "video_token_id", "video_token_index"):
+            v = getattr(self.config, name, None)
+            if isinstance(v, int):
+                ids.add(v)
+        return ids
+
+    # ---------- request -> model inputs ----------
+    def chat_content(self, request: Request) -> list[dict]:
+        """The user message content parts: media placeholders first, then the text."""
+        parts: list[dict] = [{"type": "image"} for _ in request.images]
+        for clip in request.videos:
+            parts += [{"type": "image"} for _ in clip] if self.video_as_frames else [{"type": "video"}]
+        return parts + [{"type": "text", "text": request.prompt or ""}]
+
+    def messages(self, request: Request) -> list[dict]:
+        if request.messages is not None:
+            return request.messages
+        return [{"role": "user", "content": self.chat_content(request)}]
+
+    def processor_inputs(self, text: str, request: Request) -> dict[str, Any]:
+        """Call the processor on templated text + media. Overridden where a family's processor differs."""
+        kw: dict[str, Any] = {"text": text, "return_tensors": "pt"}
+        images = list(request.images)
+        if self.video_as_frames:
+            for clip in request.videos:
+                images += list(clip)
+        elif request.videos:
+            kw["videos"] = [list(c) for c in request.videos]
+        if images:
+            kw["images"] = images
+        return dict(self.processor(**kw))
+
+    def check_request(self, request: Request) -> None:
+        if request.images and not self.takes_images:
+            raise TargetError(f"{self.family} targets take no images; send text only")
+        if request.videos and not (self.takes_video or self.video_as_frames):
+            raise TargetError(f"{self.family} targets take no video; send frames as images or use a video model")
+
+    def encode(self, request: Request) -> dict[str, Any]:
+        """Request -> model inputs for prefill (tokens with media placeholders expanded, pixel tensors ...)."""
+        self.check_request(request)
+        template = getattr(self.processor, "chat_template", None) or getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise TargetError("the processor has no chat template; set processor.chat_template")
+        text = self.processor.apply_chat_template(self.messages(request), add_generation_prompt=True, tokenize=False)
+        inputs = self.processor_inputs(text, request)
+        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+    def check_length(self, n_prompt: int, max_new_tokens: int) -> None:
+        if n_prompt + max_new_tokens > self.max_context:
+            raise TargetError(
+                f"prompt of {n_prompt} tokens + max_new_tokens {max_new_tokens} exceeds the target's context of "
+                f"{self.max_context}; shorten the prompt, use fewer frames or lower max_new_tokens")
+
+    # ---------- decoding primitives ----------
+    @torch.inference_mode()
+    def prefill(self, inputs: dict[str, Any]) -> TargetOutput:
+        """Run the prompt (with media) and start a fresh KV cache."""
+        self.cache = DynamicCache(config=self.model.config)
+        ids = inputs["input_ids"]
+        out = self.model(**inputs, past_key_values=self.cache, use_cache=True, output_hidden_states=True)
+        self.seq_len = ids.shape[1]
+        self.next_pos = self.after_prefill_position(inputs)
+        media = torch.zeros_like(ids, dtype=torch.bool)
+        for t in self.media_token_ids:
+            media |= ids == t
+        return TargetOutput(
+            logits=out.logits.float(),
+            hidden=out.hidden_states[-1],
+            layers={i: out.hidden_states[i] for i in self.feature_layers},
+            input_ids=ids,
+            inputs_embeds=out.hidden_states[0],
+            media_mask=media,
+        )
+
+    def after_prefill_position(self, inputs: dict[str, Any]) -> int:
+        """Position id of the first generated token (M-RoPE families add their rope delta)."""
+        return inputs["input_ids"].shape[1]
+
+    def tree_positions(self, depth: torch.Tensor) -> torch.Tensor:
+        """[1, n] position ids of tree nodes (root at depth 0 takes `next_pos`)."""
+        return (self.next_pos + depth).unsqueeze(0)
+
+    @torch.inference_mode()
+    def verify(self, tokens: torch.Tensor, ancestors: torch.Tensor, depth: torch.Tensor) -> TargetOutput:
+        """Score a token tree in one forward: tokens [n], ancestors [n, n] bool (row i: i's ancestors and i),
+        depth [n] (root 0). Node KV is appended after the committed prefix until `commit`."""
+        if self.cache is None:
+            raise RuntimeError("verify before prefill")
+        n = tokens.shape[0]
+        L = self.seq_len
+        allowed = torch.ones((n, L + n), dtype=torch.bool, device=self.device)
+        allowed[:, L:] = ancestors.to(self.device)
+        mask = torch.zeros((1, 1, n, L + n), dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        ids = tokens.view(1, n).to(self.device)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=self.tree_positions(depth.to(self.device)),
+            past_key_values=self.cache,
+            use_cache=True,
+            output_hidden_states=True,
+        )
+        return TargetOutput(
+            logits=out.logits.float(),
+            hidden=out.hidden_states[-1],
+            layers={i: out.hidden_states[i] for i in self.feature_layers},
+            input_ids=ids,
+        )
+
+    def commit(self, keep: list[int]) -> None:
+        """Keep the KV of tree nodes `keep` (root first, in path order) and drop every other node."""
+        if self.cache is None:
+            raise RuntimeError("commit before prefill")
+        L = self.seq_len
+        k = len(keep)
+        if keep == list(range(k)):  # a chain prefix: just drop the tail
+            for layer in self.cache.layers:
+                layer.keys = layer.keys[..., : L + k, :]
+                layer.values = layer.values[..., : L + k, :]
+        else:
+            idx = torch.cat([torch.arange(L), L + torch.tensor(keep, dtype=torch.long)]).to(self.device)
+            for layer in self.cache.layers:
+                layer.keys = layer.keys.index_select(-2, idx)
+                layer.values = layer.values.index_select(-2, idx)
+        self.seq_len = L + k
+        self.next_pos += k

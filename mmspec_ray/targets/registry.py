@@ -1,0 +1,125 @@
+"""Target registry and `load_target`: local directory or s3:// checkpoint -> the family's adapter."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from mmspec_ray.config import S3Config
+from mmspec_ray.targets.base import TargetError, VLMTarget
+
+log = logging.getLogger(__name__)
+_FAMILIES: dict[str, type[VLMTarget]] = {}
+
+
+def register(cls: type[VLMTarget]) -> type[VLMTarget]:
+    for mt in cls.model_types:
+        _FAMILIES[mt] = cls
+    return cls
+
+
+def families() -> dict[str, type[VLMTarget]]:
+    _load_builtin()
+    return dict(_FAMILIES)
+
+
+def _load_builtin() -> None:
+    if _FAMILIES:
+        return
+    from mmspec_ray.targets import llava
+
+    for cls in (llava.LlavaTarget,):
+        register(cls)
+
+
+def adapter_for(model) -> type[VLMTarget]:
+    mt = model.config.model_type
+    fam = families()
+    if mt not in fam:
+        raise TargetError(f"model type {mt!r} has no target adapter; supported: {sorted(fam)}")
+    return fam[mt]
+
+
+def wrap(model, processor, feature_layers: tuple[int, ...] = ()) -> VLMTarget:
+    """Adapter around an already loaded model + processor."""
+    return adapter_for(model)(model, processor, feature_layers)
+
+
+def load_target(path_or_uri: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
+                feature_layers: tuple[int, ...] = (), s3: S3Config | None = None) -> VLMTarget:
+    """Load a checkpoint (local directory or s3://bucket/prefix) with the stock Auto classes and wrap it."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    path = fetch_checkpoint(str(path_or_uri), s3)
+    check_checkpoint(path)
+    processor = AutoProcessor.from_pretrained(path)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype or torch.float32).to(device)
+    return wrap(model, processor, feature_layers)
+
+
+def check_checkpoint(path: Path) -> None:
+    """Fail early, naming the missing file, when a checkpoint directory is incomplete."""
+    if not path.is_dir():
+        raise TargetError(f"checkpoint {path} does not exist or is not a directory")
+    if not (path / "config.json").exists():
+        raise TargetError(f"checkpoint {path} has no config.json; is this a save_pretrained directory?")
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+        missing = sorted(s for s in shards if not (path / s).exists())
+        if missing:
+            raise TargetError(f"checkpoint {path} is incomplete: missing weight shards {missing}")
+    elif not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise TargetError(f"checkpoint {path} has no weights (model.safetensors)")
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise TargetError(f"checkpoint {path} has no tokenizer files; save the processor next to the model")
+
+
+def checkpoint_cache() -> Path:
+    home = Path(os.environ.get("MMSPEC_HOME", Path.home() / ".cache" / "mmspec"))
+    return home / "checkpoints"
+
+
+def fetch_checkpoint(uri: str, s3: S3Config | None = None) -> Path:
+    """Local paths pass through; s3://bucket/prefix is mirrored into the local cache once (resumable per file)."""
+    if not uri.startswith("s3://"):
+        return Path(uri[len("file://"):] if uri.startswith("file://") else uri)
+    from pyarrow import fs
+
+    from mmspec_ray.media.io import s3_filesystem
+
+    s3 = s3 or S3Config.from_env()
+    key = uri[len("s3://"):].rstrip("/")
+    dest = checkpoint_cache() / hashlib.sha256(f"{s3.endpoint_override}|{key}".encode()).hexdigest()[:16]
+    done = dest / ".mmspec-complete"
+    if done.exists():
+        return dest
+    s3fs = s3_filesystem(s3)
+    try:
+        infos = s3fs.get_file_info(fs.FileSelector(key, recursive=True))
+    except OSError as e:
+        raise TargetError(f"cannot list {uri}: {e}") from e
+    files = [i for i in infos if i.type == fs.FileType.File]
+    if not files:
+        raise TargetError(f"no checkpoint files under {uri}")
+    dest.mkdir(parents=True, exist_ok=True)
+    for info in files:
+        rel = info.path[len(key):].lstrip("/")
+        out = dest / rel
+        if out.exists() and out.stat().st_size == info.size:
+            continue
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".part")
+        with s3fs.open_input_stream(info.path) as src, open(tmp, "wb") as f:
+            while chunk := src.read(8 << 20):
+                f.write(chunk)
+        tmp.rename(out)
+    log.info("downloaded %d files from %s to %s", len(files), uri, dest)
+    check_checkpoint(dest)
+    done.write_text("ok\n")
+    return dest
