@@ -9,3 +9,6 @@ class LlavaTarget(VLMTarget):
     family = "llava"
     model_types = ("llava",)
     video_as_frames = True
+
+
+ADAPTERS = (LlavaTarget,)

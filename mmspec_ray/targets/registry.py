@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -28,13 +30,19 @@ def families() -> dict[str, type[VLMTarget]]:
     return dict(_FAMILIES)
 
 
+# One module per family; each defines ADAPTERS, a tuple of VLMTarget subclasses.
+FAMILY_MODULES = ("llava", "llava_next", "llava_onevision", "qwen2_5_vl", "idefics3", "gemma3")
+
+
 def _load_builtin() -> None:
     if _FAMILIES:
         return
-    from mmspec_ray.targets import llava
-
-    for cls in (llava.LlavaTarget,):
-        register(cls)
+    for name in FAMILY_MODULES:
+        full = f"mmspec_ray.targets.{name}"
+        if importlib.util.find_spec(full) is None:  # family not implemented yet
+            continue
+        for cls in importlib.import_module(full).ADAPTERS:
+            register(cls)
 
 
 def adapter_for(model) -> type[VLMTarget]:
