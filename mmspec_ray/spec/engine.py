@@ -1,4 +1,6 @@
-"""Decoding engines. AREngine: the autoregressive baseline over the same target primitives SpecEngine uses."""
+"""Decoding engines over the target primitives. SpecEngine: draft a tree, verify it in one forward, accept, commit.
+AREngine is SpecEngine with the null drafter (one token per forward): the baseline shares every line of the loop.
+"""
 
 from __future__ import annotations
 
@@ -7,42 +9,73 @@ import time
 import torch
 
 from mmspec_ray.config import SamplingParams
+from mmspec_ray.drafters.base import Drafter
+from mmspec_ray.drafters.none import NoDrafter
+from mmspec_ray.spec.accept import accept
 from mmspec_ray.spec.output import Generation, GenerationStats, OutputTracker
 from mmspec_ray.spec.sampling import make_generator, pick
+from mmspec_ray.spec.tree import TreeConfig
 from mmspec_ray.targets.base import Request, VLMTarget
 
 
-class AREngine:
-    """One token per target forward; every speedup is measured against this."""
+class SpecEngine:
+    """Lossless tree speculative decoding, batch size 1."""
 
-    def __init__(self, target: VLMTarget) -> None:
+    def __init__(self, target: VLMTarget, drafter: Drafter, tree: TreeConfig | None = None) -> None:
         self.target = target
+        self.drafter = drafter
+        self.tree = tree or TreeConfig()
 
     @torch.inference_mode()
     def generate(self, request: Request, sampling: SamplingParams | None = None, max_new_tokens: int = 128,
                  stop: tuple[str, ...] = ()) -> Generation:
         sampling = sampling or SamplingParams()
-        t = self.target
+        t, d = self.target, self.drafter
         t0 = time.perf_counter()
         inputs = t.encode(request)
         n_prompt = inputs["input_ids"].shape[1]
-        t.check_length(n_prompt, max_new_tokens)
-        gen = make_generator(sampling, t.device)
+        t.check_length(n_prompt, max_new_tokens + self.tree.total_tokens)
+        gen = make_generator(sampling, "cpu")
         tracker = OutputTracker(t.tokenizer, t.eos_token_ids, max_new_tokens, stop)
         stats = GenerationStats(prompt_tokens=n_prompt)
         out = t.prefill(inputs)
+        root = pick(out.logits[0, -1], sampling, gen)
         stats.prefill_s = time.perf_counter() - t0
-        token = pick(out.logits[0, -1], sampling, gen)
-        one = torch.ones((1, 1), dtype=torch.bool)
-        zero = torch.zeros(1, dtype=torch.long)
-        while not tracker.add([token]):
+        if tracker.add([root]):
+            return self._finish(tracker, stats, t0)
+        td = time.perf_counter()
+        d.begin(t, out, root)
+        stats.draft_s += time.perf_counter() - td
+        while True:
+            td = time.perf_counter()
+            tree = d.propose(root, self.tree)
             tv = time.perf_counter()
-            out = t.verify(torch.tensor([token]), one, zero)
-            t.commit([0])
-            stats.verify_s += time.perf_counter() - tv
+            v = t.verify(tree.tokens, tree.ancestors, tree.depth)
+            ta = time.perf_counter()
+            path, bonus = accept(tree, v.logits[0].cpu(), sampling, gen)
+            t.commit(path)
+            new = tree.tokens[path[1:]].tolist() + [bonus]
             stats.cycles += 1
-            stats.accepted_per_cycle.append(0)
-            token = pick(out.logits[0, -1], sampling, gen)
+            stats.accepted_per_cycle.append(len(path) - 1)
+            stats.draft_s += tv - td
+            stats.verify_s += ta - tv
+            if tracker.add(new):
+                break
+            to = time.perf_counter()
+            d.observe(tree.tokens[path].tolist(), v.hidden[0, path], bonus)
+            stats.draft_s += time.perf_counter() - to
+            root = bonus
+        return self._finish(tracker, stats, t0)
+
+    @staticmethod
+    def _finish(tracker: OutputTracker, stats: GenerationStats, t0: float) -> Generation:
         stats.total_s = time.perf_counter() - t0
-        stats.overhead_s = stats.total_s - stats.prefill_s - stats.verify_s
+        stats.overhead_s = stats.total_s - stats.prefill_s - stats.draft_s - stats.verify_s
         return tracker.result(stats)
+
+
+class AREngine(SpecEngine):
+    """The autoregressive baseline: the same loop, one token per target forward."""
+
+    def __init__(self, target: VLMTarget) -> None:
+        super().__init__(target, NoDrafter(), TreeConfig(top_k=1, depth=1, total_tokens=2))

@@ -1,0 +1,73 @@
+"""The Drafter protocol and registry. A drafter proposes a token tree; the engine verifies it on the target.
+
+Lifecycle per request: `begin(target, prefill, root)` -> repeat { `propose(root, cfg)` -> verify -> accept ->
+`observe(tokens, hidden, bonus)` }. `observe` receives the accepted path's tokens (root first) and the target's
+exact hidden states at those nodes, so a drafter's context holds target features, never its own guesses.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import torch
+
+from mmspec_ray.spec.tree import DraftTree, TreeConfig
+
+if TYPE_CHECKING:
+    from mmspec_ray.targets.base import TargetOutput, VLMTarget
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    name: str
+
+    def begin(self, target: "VLMTarget", prefill: "TargetOutput", root: int) -> None:
+        """Build per-request state from the target's prefill; `root` is the first generated token."""
+
+    def propose(self, root: int, cfg: TreeConfig) -> DraftTree:
+        """A tree rooted at `root` (the last committed token, not yet verified)."""
+
+    def observe(self, tokens: list[int], hidden: torch.Tensor, bonus: int) -> None:
+        """After verification: accepted path tokens (root first), target hidden [len(tokens), d], next root."""
+
+
+_REGISTRY: dict[str, type] = {}
+
+
+def register_drafter(name: str):
+    def deco(cls: type) -> type:
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def drafter_class(name: str) -> type:
+    from mmspec_ray.drafters import eagle, ngram, none, oracle  # noqa: F401  (registration side effect)
+
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown drafter method {name!r}; choose one of {sorted(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def load_drafter(spec: str | None, target: "VLMTarget", device: str | None = None) -> Drafter:
+    """A ready drafter for `target` from a method name ("none", "ngram") or a trained drafter checkpoint directory
+    (`config.json` naming its `method` + `model.safetensors`). None or "" means no drafter (plain AR decoding)."""
+    from pathlib import Path
+
+    if not spec or spec == "none":
+        return drafter_class("none")()
+    if spec in ("ngram",):
+        return drafter_class(spec)()
+    path = Path(spec)
+    if not (path / "config.json").exists():
+        raise ValueError(f"drafter {spec!r} is neither a method name (none, ngram) nor a drafter checkpoint "
+                         "directory with config.json; train one with `mmspec train-drafter`")
+    import json
+
+    method = json.loads((path / "config.json").read_text()).get("method")
+    cls = drafter_class(method)
+    if not hasattr(cls, "load"):
+        raise ValueError(f"drafter method {method!r} in {path} cannot be loaded from a checkpoint")
+    return cls.load(path, target, device=device)

@@ -1,0 +1,1 @@
+"""EAGLE-2 drafter (placeholder until the trained head lands)."""

@@ -1,0 +1,29 @@
+"""Oracle drafter (tests and benchmarks only): proposes the known AR answer as a chain, to fix τ and measure
+how much the engine itself wastes (measured speedup / ideal speedup)."""
+
+from __future__ import annotations
+
+import torch
+
+from mmspec_ray.drafters.base import register_drafter
+from mmspec_ray.spec.tree import DraftTree, TreeConfig
+
+
+@register_drafter("oracle")
+class OracleDrafter:
+    def __init__(self, answer: list[int], accept_len: int | None = None) -> None:
+        self.answer = list(answer)
+        self.accept_len = accept_len  # propose at most this many tokens (None: depth + 1)
+        self.pos = 0  # index in `answer` of the current root
+
+    def begin(self, target, prefill, root: int) -> None:
+        self.pos = 0
+
+    def propose(self, root: int, cfg: TreeConfig) -> DraftTree:
+        n = min(cfg.depth + 1, cfg.total_tokens - 1)
+        if self.accept_len is not None:
+            n = min(n, self.accept_len)
+        return DraftTree.chain([root] + self.answer[self.pos + 1:self.pos + 1 + n])
+
+    def observe(self, tokens: list[int], hidden: torch.Tensor, bonus: int) -> None:
+        self.pos += len(tokens)
