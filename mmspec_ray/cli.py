@@ -40,29 +40,64 @@ def cmd_toy_gate(a: argparse.Namespace) -> int:
     return 0 if rep.passed() else 1
 
 
+def resolve_drafter(drafter: str | None, target: str) -> str | None:
+    """A drafter checkpoint directory, a training-free method name, or a trained method name on a toy target
+    (e.g. `--target toy-s --drafter eagle2`: the toy world's drafter, trained on first use)."""
+    from mmspec_ray.toy.model import TOY_SIZES
+
+    if drafter in ("eagle2",) and target in TOY_SIZES:
+        from mmspec_ray.toy.drafter import build_toy_drafter
+
+        return str(build_toy_drafter(target, drafter))
+    return drafter
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
-    import torch
-
+    from mmspec_ray.config import SamplingParams
+    from mmspec_ray.drafters.base import load_drafter
     from mmspec_ray.media import load_image, load_video
-    from mmspec_ray.targets.hf import chat_inputs, load_hf_vlm, video_frames_for
+    from mmspec_ray.spec.engine import SpecEngine
+    from mmspec_ray.spec.tree import TreeConfig
+    from mmspec_ray.targets import Request, load_target
+    from mmspec_ray.targets.hf import video_frames_for
 
-    path = resolve_target(a.target)
-    model, processor = load_hf_vlm(path)
     if a.image and a.video:
         raise SystemExit("give --image or --video, not both")
-    images = [load_image(a.image)] if a.image else []
-    if a.video:
-        images = load_video(a.video, a.num_frames or video_frames_for(path)).frames
-    inputs = chat_inputs(processor, a.prompt, images)
-    if a.seed is not None:
-        torch.manual_seed(a.seed)
-    kw = dict(do_sample=a.temperature > 0, max_new_tokens=a.max_new_tokens)
-    if a.temperature > 0:
-        kw.update(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
-    with torch.inference_mode():
-        out = model.generate(**inputs, **kw)
-    print(processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+    path = resolve_target(a.target)
+    target = load_target(path)
+    drafter = load_drafter(resolve_drafter(a.drafter, a.target), target)
+    images = (load_image(a.image),) if a.image else ()
+    videos = (tuple(load_video(a.video, a.num_frames or video_frames_for(path)).frames),) if a.video else ()
+    sampling = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed)
+    tree = TreeConfig(top_k=a.tree_top_k, depth=a.tree_depth, total_tokens=a.tree_tokens)
+    g = SpecEngine(target, drafter, tree).generate(Request(prompt=a.prompt, images=images, videos=videos), sampling,
+                                                   max_new_tokens=a.max_new_tokens)
+    print(g.text)
+    st = g.stats
+    log.info("%d tokens (%s) in %.2f s; %d target forwards, %.2f accepted draft tokens per cycle",
+             len(g.token_ids), g.finish_reason, st.total_s, st.cycles, st.mean_accepted)
     return 0
+
+
+def cmd_train_drafter(a: argparse.Namespace) -> int:
+    from mmspec_ray.toy.model import TOY_SIZES
+
+    if a.target in TOY_SIZES:
+        from mmspec_ray.toy.drafter import RECIPES, build_toy_drafter, train_drafter_on_world
+        from mmspec_ray.toy.build import build_toy
+
+        if a.out is None:
+            print(build_toy_drafter(a.target, a.method, force=a.force))
+            return 0
+        recipe = RECIPES[a.target]
+        if a.examples:
+            recipe = recipe.model_copy(update={"examples": a.examples})
+        if a.epochs:
+            recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"epochs": a.epochs})})
+        print(train_drafter_on_world(build_toy(a.target), Path(a.out), a.method, recipe, resume=not a.force))
+        return 0
+    raise SystemExit("train-drafter on a non-toy target needs a prompt data set; for now train on a toy world "
+                     "(--target toy-s) or call mmspec_ray.training.generate_features / train_eagle2 from Python")
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
@@ -120,7 +155,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--drafter", default=None,
+                     help="none (plain AR), ngram, a drafter checkpoint directory, or eagle2 with a toy target")
+    gen.add_argument("--tree-top-k", type=int, default=8)
+    gen.add_argument("--tree-depth", type=int, default=5)
+    gen.add_argument("--tree-tokens", type=int, default=48, help="draft tree size including the root")
     gen.set_defaults(fn=cmd_generate)
+
+    td = sub.add_parser("train-drafter", help="generate target-answered features and train a drafter")
+    td.add_argument("--method", default="eagle2", choices=["eagle2"])
+    td.add_argument("--target", default="toy-s", help="toy-s / toy-m")
+    td.add_argument("--out", default=None, help="checkpoint directory (default: the toy world's drafters/METHOD)")
+    td.add_argument("--examples", type=int, default=None, help="training prompts the target answers")
+    td.add_argument("--epochs", type=int, default=None)
+    td.add_argument("--force", action="store_true", help="start over instead of resuming")
+    td.set_defaults(fn=cmd_train_drafter)
 
     d = sub.add_parser("demo", help="build the toy world if needed and caption a few toy clips")
     d.add_argument("--size", default="toy-s", choices=["toy-s", "toy-m"])

@@ -24,6 +24,14 @@ _S3_ENV = {
 }
 
 
+def pytest_configure(config) -> None:
+    """Tiny models are dominated by per-op overhead: one intra-op thread is as fast on an idle 2-core machine and
+    many times faster on a loaded one (thread oversubscription)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @dataclass
 class S3Server:
     """A running moto S3 server on 127.0.0.1 plus what a test needs to talk to it."""

@@ -1,1 +1,187 @@
-"""EAGLE-2 drafter (placeholder until the trained head lands)."""
+"""EAGLE-2 drafter: fc over [token embedding; target feature] -> one decoder layer -> the target's frozen LM head.
+
+Feature = the target's last post-norm hidden state (what lm_head consumes). Context entry j pairs the embedding of
+token j+1 (for media positions: the merged media embedding from prefill) with feature f_j and predicts f_{j+1}.
+The drafter's KV only ever holds accepted context computed from the target's exact features; tree nodes live in a
+per-cycle scratch KV, and each child is fed its parent's draft output as its feature (as in the authors' code).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from pydantic import BaseModel
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from mmspec_ray.drafters.base import register_drafter
+from mmspec_ray.drafters.layers import DecoderLayer
+from mmspec_ray.spec.tree import DraftTree, TreeConfig, grow_dynamic_tree
+
+if TYPE_CHECKING:
+    from mmspec_ray.targets.base import TargetOutput, VLMTarget
+
+
+class Eagle2Config(BaseModel):
+    """Saved as the drafter's config.json; `target_*` fields guard against loading onto the wrong target."""
+
+    method: str = "eagle2"
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    target_model_type: str = ""
+    target_vocab_size: int = 0
+
+    @classmethod
+    def for_target(cls, target: "VLMTarget") -> "Eagle2Config":
+        tc = target.text_config
+        heads = int(getattr(tc, "num_attention_heads", max(1, target.hidden_size // 64)))
+        kv = int(getattr(tc, "num_key_value_heads", None) or heads)
+        return cls(hidden_size=target.hidden_size, num_heads=heads, num_kv_heads=kv,
+                   intermediate_size=int(getattr(tc, "intermediate_size", 4 * target.hidden_size)),
+                   rope_theta=float(getattr(tc, "rope_theta", None) or 10000.0),
+                   target_model_type=target.config.model_type, target_vocab_size=target.vocab_size)
+
+
+class Eagle2Head(nn.Module):
+    """The trainable part (fc + one layer). Embeddings and LM head are the target's, passed in, never saved."""
+
+    def __init__(self, cfg: Eagle2Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.fc = nn.Linear(2 * d, d, bias=True)
+        self.layer = DecoderLayer(d, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.rope_theta,
+                                  cfg.rms_eps, input_norm=False)
+
+    def forward(self, embeds: torch.Tensor, feats: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
+                past: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """embeds, feats [B, T, d]; pos [B, T]; mask [B, 1, T, S+T] bool -> (predicted features [B, T, d], new kv)."""
+        x = self.fc(torch.cat([embeds, feats], dim=-1))
+        return self.layer(x, pos, mask, past)
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(self.cfg.model_dump_json(indent=2))
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()},
+                  str(path / "model.safetensors"))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Eagle2Head":
+        path = Path(path)
+        cfg = Eagle2Config(**json.loads((path / "config.json").read_text()))
+        head = cls(cfg)
+        weights = path / "model.safetensors"
+        if not weights.exists():
+            raise ValueError(f"drafter checkpoint {path} has no model.safetensors")
+        head.load_state_dict(load_file(str(weights)))
+        return head
+
+
+@register_drafter("eagle2")
+class Eagle2Drafter:
+    """Per-request EAGLE-2 drafting state around a (frozen) head, bound to one target."""
+
+    def __init__(self, head: Eagle2Head, target: "VLMTarget") -> None:
+        cfg = head.cfg
+        if cfg.hidden_size != target.hidden_size or (cfg.target_vocab_size and cfg.target_vocab_size != target.vocab_size):
+            raise ValueError(
+                f"drafter was trained for hidden size {cfg.hidden_size} / vocab {cfg.target_vocab_size} "
+                f"({cfg.target_model_type}) but the target has {target.hidden_size} / {target.vocab_size}; "
+                "train a drafter for this target with `mmspec train-drafter`")
+        self.head = head.to(device=target.device, dtype=target.dtype).eval()
+        self.target = target
+        self.ctx: tuple[torch.Tensor, torch.Tensor] | None = None  # accepted-context KV, each [1, Hkv, S, hd]
+        self.last: torch.Tensor | None = None  # [1, d] draft output of the newest context entry
+
+    @classmethod
+    def load(cls, path: str | Path, target: "VLMTarget", device: str | None = None) -> "Eagle2Drafter":
+        return cls(Eagle2Head.load(path), target)
+
+    @classmethod
+    def random(cls, target: "VLMTarget", seed: int = 0, std: float = 0.02) -> "Eagle2Drafter":
+        """An untrained drafter (tests: output must not depend on drafter quality)."""
+        g = torch.Generator().manual_seed(seed)
+        head = Eagle2Head(Eagle2Config.for_target(target))
+        with torch.no_grad():
+            for p in head.parameters():
+                if p.dim() > 1:
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
+        return cls(head, target)
+
+    @property
+    def ctx_len(self) -> int:
+        return 0 if self.ctx is None else int(self.ctx[0].shape[2])
+
+    # ---------- lifecycle ----------
+    @torch.inference_mode()
+    def begin(self, target: "VLMTarget", prefill: "TargetOutput", root: int) -> None:
+        self.ctx, self.last = None, None
+        embeds = prefill.inputs_embeds[0]
+        feats = prefill.hidden[0]
+        nxt = torch.cat([embeds[1:], self._embed([root])], 0)  # entry j: token j+1 with feature j
+        self._extend(nxt, feats)
+
+    @torch.inference_mode()
+    def observe(self, tokens: list[int], hidden: torch.Tensor, bonus: int) -> None:
+        """Append the accepted path (target features at root..last accepted) and the bonus as new context."""
+        self._extend(self._embed(tokens[1:] + [bonus]), hidden.to(self.target.dtype))
+
+    @torch.inference_mode()
+    def propose(self, root: int, cfg: TreeConfig) -> DraftTree:
+        S = self.ctx_len
+        dev = self.target.device
+        root_logp = torch.log_softmax(self.target.lm_head(self.last).float(), -1)[0]
+        ks: list[torch.Tensor] = []  # scratch KV of expanded tree nodes, one [1, Hkv, k, hd] per step
+        vs: list[torch.Tensor] = []
+        hid: list[torch.Tensor] = []  # draft outputs of expanded nodes, one [k, d] per step
+        lvl: list[int] = []  # tree level of each expanded node (root's children: 1)
+        anc = torch.zeros((0, 0), dtype=torch.bool, device=dev)  # ancestor-or-self among expanded nodes
+
+        def step(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+            nonlocal anc
+            n_prev, k = anc.shape[0], tokens.shape[0]
+            par = parents.tolist()
+            all_hid = torch.cat(hid, 0) if hid else None
+            feats = torch.stack([self.last[0] if p < 0 else all_hid[p] for p in par])
+            levels = [1 if p < 0 else lvl[p] + 1 for p in par]
+            new = torch.zeros((k, n_prev + k), dtype=torch.bool, device=dev)
+            for i, p in enumerate(par):
+                if p >= 0:
+                    new[i, :n_prev] = anc[p]
+                new[i, n_prev + i] = True
+            anc = torch.cat([torch.nn.functional.pad(anc, (0, k)), new], 0)
+            mask = torch.cat([torch.ones((k, S), dtype=torch.bool, device=dev), new], 1)
+            past = (torch.cat([self.ctx[0]] + ks, 2), torch.cat([self.ctx[1]] + vs, 2))
+            pos = torch.tensor([[S - 1 + lv for lv in levels]], device=dev)
+            out, (kn, vn) = self.head(self._embed(tokens.tolist())[None], feats[None], pos, mask[None, None], past)
+            ks.append(kn)
+            vs.append(vn)
+            hid.append(out[0])
+            lvl.extend(levels)
+            return torch.log_softmax(self.target.lm_head(out[0]).float(), -1).cpu()
+
+        return grow_dynamic_tree(root, root_logp.cpu(), step, cfg)
+
+    # ---------- internals ----------
+    def _embed(self, ids: list[int]) -> torch.Tensor:
+        return self.target.embed_tokens(torch.tensor(ids, device=self.target.device)).to(self.target.dtype)
+
+    def _extend(self, embeds: torch.Tensor, feats: torch.Tensor) -> None:
+        """Run new context entries (embeds, feats [T, d]) causally after the existing context; keep their KV."""
+        S, T = self.ctx_len, embeds.shape[0]
+        dev = self.target.device
+        mask = torch.ones((T, S + T), dtype=torch.bool, device=dev)
+        mask[:, S:] = torch.ones((T, T), dtype=torch.bool, device=dev).tril()
+        pos = torch.arange(S, S + T, device=dev)[None]
+        out, (k, v) = self.head(embeds[None], feats[None], pos, mask[None, None], self.ctx)
+        self.ctx = (k, v) if self.ctx is None else (torch.cat([self.ctx[0], k], 2), torch.cat([self.ctx[1], v], 2))
+        self.last = out[0, -1:]

@@ -161,14 +161,22 @@ class VLMTarget:
                 f"{self.max_context}; shorten the prompt, use fewer frames or lower max_new_tokens")
 
     # ---------- decoding primitives ----------
+    def new_cache(self) -> DynamicCache:
+        """A fresh KV cache for one request (families whose cache layers drop tokens override this)."""
+        return DynamicCache(config=self.model.config)
+
+    def check_prefill(self, out) -> None:
+        """Hook: validate a prefill's raw model output (e.g. that lm_head(hidden) reproduces its logits)."""
+
     @torch.inference_mode()
     def prefill(self, inputs: dict[str, Any]) -> TargetOutput:
         """Run the prompt (with media) and start a fresh KV cache."""
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = self.new_cache()
         ids = inputs["input_ids"]
         out = self.model(**inputs, past_key_values=self.cache, use_cache=True, output_hidden_states=True)
         self.seq_len = ids.shape[1]
         self.next_pos = self.after_prefill_position(inputs)
+        self.check_prefill(out)
         media = torch.zeros_like(ids, dtype=torch.bool)
         for t in self.media_token_ids:
             media |= ids == t
@@ -189,6 +197,15 @@ class VLMTarget:
         """[1, n] position ids of tree nodes (root at depth 0 takes `next_pos`)."""
         return (self.next_pos + depth).unsqueeze(0)
 
+    def tree_mask(self, ancestors: torch.Tensor, positions: torch.Tensor):
+        """Additive float mask [1, 1, n, seq_len + n]: every node sees the committed prefix, its ancestors and
+        itself. Families with per-layer masks (sliding windows) return a {layer type: mask} dict instead."""
+        n, L = ancestors.shape[0], self.seq_len
+        allowed = torch.ones((n, L + n), dtype=torch.bool, device=self.device)
+        allowed[:, L:] = ancestors
+        mask = torch.zeros((1, 1, n, L + n), dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+
     @torch.inference_mode()
     def verify(self, tokens: torch.Tensor, ancestors: torch.Tensor, depth: torch.Tensor) -> TargetOutput:
         """Score a token tree in one forward: tokens [n], ancestors [n, n] bool (row i: i's ancestors and i),
@@ -196,16 +213,12 @@ class VLMTarget:
         if self.cache is None:
             raise RuntimeError("verify before prefill")
         n = tokens.shape[0]
-        L = self.seq_len
-        allowed = torch.ones((n, L + n), dtype=torch.bool, device=self.device)
-        allowed[:, L:] = ancestors.to(self.device)
-        mask = torch.zeros((1, 1, n, L + n), dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        positions = self.tree_positions(depth.to(self.device))
         ids = tokens.view(1, n).to(self.device)
         out = self.model(
             input_ids=ids,
-            attention_mask=mask,
-            position_ids=self.tree_positions(depth.to(self.device)),
+            attention_mask=self.tree_mask(ancestors.to(self.device), positions),
+            position_ids=positions,
             past_key_values=self.cache,
             use_cache=True,
             output_hidden_states=True,

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from mmspec_ray.targets.base import Request, TargetError, TargetOutput, VLMTarget
+from mmspec_ray.targets.base import Request, TargetError, VLMTarget
 
 log = logging.getLogger(__name__)
 
@@ -105,30 +105,12 @@ class Gemma3Target(VLMTarget):
         """A cache whose every layer keeps all committed tokens (sliding layers included; see module docstring)."""
         return DynamicCache()
 
-    @torch.inference_mode()
-    def prefill(self, inputs: dict[str, Any]) -> TargetOutput:
-        """As the generic prefill, with a full-length cache on every layer and a check of the output head."""
-        self.cache = self.new_cache()
-        ids = inputs["input_ids"]
-        out = self.model(**inputs, past_key_values=self.cache, use_cache=True, output_hidden_states=True)
-        self.seq_len = ids.shape[1]
-        self.next_pos = self.after_prefill_position(inputs)
-        hidden = out.hidden_states[-1]
-        self._check_head(hidden, out.logits)
-        media = torch.zeros_like(ids, dtype=torch.bool)
-        for t in self.media_token_ids:
-            media |= ids == t
-        return TargetOutput(
-            logits=out.logits.float(),
-            hidden=hidden,
-            layers={i: out.hidden_states[i] for i in self.feature_layers},
-            input_ids=ids,
-            inputs_embeds=out.hidden_states[0],
-            media_mask=media,
-        )
+    def check_prefill(self, out) -> None:
+        self._check_head(out.hidden_states[-1], out.logits)
 
-    def tree_masks(self, ancestors: torch.Tensor, positions: torch.Tensor) -> dict[str, torch.Tensor]:
-        """{layer type: [1, 1, n, seq_len + n] additive float mask} for a tree with node positions [n]."""
+    def tree_mask(self, ancestors: torch.Tensor, positions: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{layer type: [1, 1, n, seq_len + n] additive float mask} for a tree with node positions [1, n]."""
+        positions = positions[0]
         n, L = positions.shape[0], self.seq_len
         if self.next_pos != L:  # committed token j must sit at position j for the window test below
             raise RuntimeError(f"gemma3 positions out of step with the cache ({self.next_pos} != {L})")
@@ -146,29 +128,6 @@ class Gemma3Target(VLMTarget):
             m = torch.zeros((1, 1, n, L + n), dtype=self.dtype, device=self.device)
             out[kind] = m.masked_fill_(~masks[kind], torch.finfo(self.dtype).min)
         return out
-
-    @torch.inference_mode()
-    def verify(self, tokens: torch.Tensor, ancestors: torch.Tensor, depth: torch.Tensor) -> TargetOutput:
-        """Score a token tree in one forward with a per-layer-type mask (sliding layers see only their window)."""
-        if self.cache is None:
-            raise RuntimeError("verify before prefill")
-        n = tokens.shape[0]
-        positions = self.tree_positions(depth.to(self.device))
-        ids = tokens.view(1, n).to(self.device)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=self.tree_masks(ancestors, positions[0]),
-            position_ids=positions,
-            past_key_values=self.cache,
-            use_cache=True,
-            output_hidden_states=True,
-        )
-        return TargetOutput(
-            logits=out.logits.float(),
-            hidden=out.hidden_states[-1],
-            layers={i: out.hidden_states[i] for i in self.feature_layers},
-            input_ids=ids,
-        )
 
 
 ADAPTERS = (Gemma3Target,)

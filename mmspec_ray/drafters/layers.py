@@ -1,0 +1,72 @@
+"""Small transformer pieces for drafter heads: RMSNorm, rotary embeddings and one pre-norm decoder layer whose
+KV is passed in and out explicitly, so drafters can attend to accepted context plus a tree of pending nodes."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def rotary(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Apply rotary position embedding (half-split convention). x [B, H, T, hd], pos [B, T] long."""
+    hd = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
+    ang = pos.to(torch.float32)[:, None, :, None] * inv  # [B, 1, T, hd/2]
+    cos, sin = ang.cos(), ang.sin()
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP. `input_norm=False` skips the attention input norm (EAGLE's first layer
+    takes the fc output directly)."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int, ffn: int, rope_theta: float = 10000.0,
+                 eps: float = 1e-6, input_norm: bool = False) -> None:
+        super().__init__()
+        if dim % heads or heads % kv_heads:
+            raise ValueError(f"dim {dim}, heads {heads}, kv_heads {kv_heads}: heads must divide dim and kv_heads heads")
+        self.heads, self.kv_heads, self.head_dim, self.theta = heads, kv_heads, dim // heads, rope_theta
+        self.input_norm = RMSNorm(dim, eps) if input_norm else nn.Identity()
+        self.q_proj = nn.Linear(dim, heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * self.head_dim, dim, bias=False)
+        self.post_norm = RMSNorm(dim, eps)
+        self.gate_proj = nn.Linear(dim, ffn, bias=False)
+        self.up_proj = nn.Linear(dim, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
+                past: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """x [B, T, d]; pos [B, T]; mask [B, 1, T, S+T] bool (True = may attend), S = past length.
+        Returns (out [B, T, d], (k, v) of the T new positions, each [B, kv_heads, T, head_dim])."""
+        B, T, _ = x.shape
+        h = self.input_norm(x)
+        q = self.q_proj(h).view(B, T, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = rotary(q, pos, self.theta), rotary(k, pos, self.theta)
+        kk, vv = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+        rep = self.heads // self.kv_heads
+        if rep > 1:
+            kk, vv = kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1)
+        att = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+        x = x + self.o_proj(att.transpose(1, 2).reshape(B, T, -1))
+        h = self.post_norm(x)
+        x = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return x, (k, v)

@@ -1,0 +1,40 @@
+"""Toy-world prompts as engine requests (drafter training data, benchmarks, demos)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from mmspec_ray.media import load_image, load_video
+from mmspec_ray.targets.base import Request
+from mmspec_ray.targets.hf import video_frames_for
+from mmspec_ray.toy.build import ToyWorld
+
+
+def toy_rows(world: ToyWorld, split: str, limit: int | None = None, seed: int = 0,
+             tasks: tuple[str, ...] | None = None) -> list[dict]:
+    """Example rows of a split (id, media_type, media_path, task, prompt, answer), shuffled by seed, optionally
+    filtered to some tasks (caption, detail, question, instruction, video_caption, video_detail, ...)."""
+    rows = pq.read_table(world.examples(split)).to_pylist()
+    if tasks:
+        rows = [r for r in rows if r["task"] in tasks]
+    order = np.random.default_rng(seed).permutation(len(rows))
+    rows = [rows[i] for i in order]
+    return rows[:limit] if limit is not None else rows
+
+
+def row_request(world: ToyWorld, row: dict, num_frames: int | None = None) -> Request:
+    """One toy example row -> Request with its decoded image or sampled clip frames."""
+    src = str(world.data / row["media_path"])
+    if row["media_type"] == "image":
+        return Request(prompt=row["prompt"], images=(load_image(src),))
+    frames = load_video(src, num_frames or video_frames_for(world.target)).frames
+    return Request(prompt=row["prompt"], videos=(tuple(frames),))
+
+
+def toy_requests(world: ToyWorld, split: str, limit: int | None = None, seed: int = 0,
+                 tasks: tuple[str, ...] | None = None) -> Iterator[Request]:
+    for row in toy_rows(world, split, limit, seed, tasks):
+        yield row_request(world, row)

@@ -1,0 +1,189 @@
+"""The first law, end to end: greedy SpecEngine == AREngine == HF generate for every target family and drafter
+(trained-quality or random); at T > 0 the engine's output distribution equals the target's."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from mmspec_ray.config import SamplingParams
+from mmspec_ray.drafters.eagle import Eagle2Drafter
+from mmspec_ray.drafters.ngram import NgramDrafter
+from mmspec_ray.drafters.oracle import OracleDrafter
+from mmspec_ray.spec.engine import AREngine, SpecEngine
+from mmspec_ray.spec.sampling import warp
+from mmspec_ray.spec.tree import DraftTree, TreeConfig, depths
+from mmspec_ray.targets import Request, wrap
+from test_spec_accept import chi2_critical, chi2_stat
+from tiny import random_images
+
+# family -> (test helper module, builder); a family whose builder module is absent is reported, not hidden
+FAMILIES = {
+    "llava": ("tiny", "tiny_llava"),
+    "llava_next": ("tiny_llava_next", "tiny_llava_next"),
+    "llava_onevision": ("tiny_llava_onevision", "tiny_llava_onevision"),
+    "qwen2_5_vl": ("tiny_qwen2_5_vl", "tiny_qwen2_5_vl"),
+    "idefics3": ("tiny_idefics3", "tiny_idefics3"),
+    "gemma3": ("tiny_gemma3", "tiny_gemma3"),
+}
+VIDEO_FAMILIES = {"llava", "llava_onevision", "qwen2_5_vl"}
+TREE = TreeConfig(top_k=4, depth=4, total_tokens=20)
+
+
+class PerturbedOracle:
+    """Test drafter: a random bushy tree that hides the true continuation (random length, random sibling rank)
+    among distractors, so acceptance stops at arbitrary depths and commits non-chain node sets."""
+
+    name = "perturbed-oracle"
+
+    def __init__(self, answer: list[int], vocab: int, seed: int = 0) -> None:
+        self.answer, self.vocab = answer, vocab
+        self.rng = np.random.default_rng(seed)
+        self.pos = 0
+
+    def begin(self, target, prefill, root: int) -> None:
+        self.pos = 0
+
+    def propose(self, root: int, cfg: TreeConfig) -> DraftTree:
+        k = int(self.rng.integers(0, 5))
+        true = self.answer[self.pos + 1:self.pos + 1 + k]
+        if self.rng.random() < 0.3 and true:  # corrupt one token: acceptance must stop there
+            j = int(self.rng.integers(0, len(true)))
+            true = true[:j] + [(true[j] + 1) % self.vocab]
+        tokens, parents, scores = [root], [-1], [0.0]
+        chain = [0]
+        for t in true:
+            for _ in range(int(self.rng.integers(0, 3))):  # distractor siblings before/after the true child
+                d = int(self.rng.integers(0, self.vocab))
+                if d != t and d not in [tokens[i] for i in range(len(tokens)) if parents[i] == chain[-1]]:
+                    tokens.append(d); parents.append(chain[-1]); scores.append(float(-self.rng.random()))
+            tokens.append(t); parents.append(chain[-1]); scores.append(float(-self.rng.random()))
+            chain.append(len(tokens) - 1)
+        par = torch.tensor(parents)
+        return DraftTree(torch.tensor(tokens), par, depths(par), torch.tensor(scores))
+
+    def observe(self, tokens: list[int], hidden: torch.Tensor, bonus: int) -> None:
+        self.pos += len(tokens)
+
+
+def build(family: str):
+    mod, fn = FAMILIES[family]
+    try:
+        m = importlib.import_module(mod)
+    except ModuleNotFoundError:
+        pytest.fail(f"no tiny builder for family {family} (tests/{mod}.py)")
+    return wrap(*getattr(m, fn)())
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_target(request):
+    torch.manual_seed(0)
+    return request.param, build(request.param)
+
+
+def requests_for(family: str) -> dict[str, Request]:
+    out = {"image": Request(prompt="describe the image", images=tuple(random_images(1, seed=11)))}
+    if family in VIDEO_FAMILIES:
+        out["video"] = Request(prompt="what is happening", videos=(tuple(random_images(4, seed=12)),))
+    return out
+
+
+def test_greedy_spec_equals_ar_equals_hf_for_every_drafter(family_target):
+    family, target = family_target
+    for name, req in requests_for(family).items():
+        ar = AREngine(target).generate(req, max_new_tokens=40)
+        assert len(set(ar.token_ids)) >= 8, (family, name, ar.token_ids)
+        inputs = target.encode(req)
+        with torch.inference_mode():
+            hf = target.model.generate(**inputs, do_sample=False, max_new_tokens=40)
+        assert ar.token_ids == hf[0, inputs["input_ids"].shape[1]:].tolist(), (family, name)
+        drafters = {
+            "eagle2-random": Eagle2Drafter.random(target, seed=1),
+            "ngram": NgramDrafter(),
+            "oracle": OracleDrafter(ar.token_ids),
+            **{f"perturbed-{s}": PerturbedOracle(ar.token_ids, target.vocab_size, seed=s) for s in range(3)},
+        }
+        for dname, d in drafters.items():
+            g = SpecEngine(target, d, TREE).generate(req, max_new_tokens=40)
+            assert g.token_ids == ar.token_ids, (family, name, dname)
+            assert g.finish_reason == ar.finish_reason and g.text == ar.text
+            if dname == "oracle":
+                assert g.stats.cycles < len(ar.token_ids) / 3  # the engine really commits multi-token paths
+
+
+def test_spec_respects_stop_strings_and_max_tokens(family_target):
+    family, target = family_target
+    req = requests_for(family)["image"]
+    ar = AREngine(target).generate(req, max_new_tokens=30)
+    for n in (1, 2, 7):
+        g = SpecEngine(target, OracleDrafter(ar.token_ids), TREE).generate(req, max_new_tokens=n)
+        assert g.token_ids == ar.token_ids[:n] and g.finish_reason == "length"
+    stop = ar.text.split()[3] if len(ar.text.split()) > 3 else ar.text[-3:]
+    a = AREngine(target).generate(req, max_new_tokens=30, stop=(stop,))
+    s = SpecEngine(target, OracleDrafter(ar.token_ids), TREE).generate(req, max_new_tokens=30, stop=(stop,))
+    assert a.text == s.text and stop not in s.text and s.finish_reason == "stop"
+
+
+class PeekDrafter:
+    """Test drafter for T > 0: proposes the target's own top-3 next tokens (one extra uncached forward), so
+    acceptance and rejection both happen often."""
+
+    name = "peek"
+
+    def __init__(self, target) -> None:
+        self.target = target
+        self.ids: list[int] = []
+
+    def begin(self, target, prefill, root: int) -> None:
+        self.ids = prefill.input_ids[0].tolist() + [root]
+
+    def propose(self, root: int, cfg: TreeConfig) -> DraftTree:
+        with torch.inference_mode():
+            logits = self.target.model(input_ids=torch.tensor([self.ids])).logits[0, -1]
+        top = torch.topk(logits, 3).indices.tolist()
+        par = torch.tensor([-1, 0, 0, 0])
+        return DraftTree(torch.tensor([root] + top), par, depths(par), torch.tensor([0.0, -1.0, -2.0, -3.0]))
+
+    def observe(self, tokens: list[int], hidden: torch.Tensor, bonus: int) -> None:
+        self.ids += tokens[1:] + [bonus]
+
+
+def test_sampling_output_distribution_equals_the_target(tmp_path):
+    """3-token answers from SpecEngine vs the exact warped target distribution (top-k 4, top-p 0.9, T 0.8), by a
+    chi-square test at p = 1e-4 over 1,500 samples."""
+    from tiny import tiny_llava
+
+    target = wrap(*tiny_llava(init=0.08))  # flatter logits: several tokens per step carry real mass
+    params = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
+    req = Request(prompt="describe the image")
+    prompt_ids = target.encode(req)["input_ids"][0].tolist()
+
+    def dist(prefix: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return warp(target.model(input_ids=torch.tensor([prompt_ids + prefix])).logits[0, -1], params)
+
+    probs: dict[tuple[int, ...], float] = {}
+    p1 = dist([])
+    for a in torch.nonzero(p1).flatten().tolist():
+        p2 = dist([a])
+        for b in torch.nonzero(p2).flatten().tolist():
+            p3 = dist([a, b])
+            for c in torch.nonzero(p3).flatten().tolist():
+                probs[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+    assert len(probs) >= 8  # the test distribution is not degenerate
+    n = 1500
+    eng = SpecEngine(target, PeekDrafter(target), TreeConfig(top_k=3, depth=1, total_tokens=4))
+    samples = Counter()
+    accepted = 0
+    for s in range(n):
+        g = eng.generate(req, SamplingParams(temperature=0.8, top_k=4, top_p=0.9, seed=s), max_new_tokens=3)
+        samples[tuple(g.token_ids)] += 1
+        accepted += sum(g.stats.accepted_per_cycle)
+    assert accepted > n // 4  # drafts were really accepted (not a degenerate all-reject run)
+    stat, df = chi2_stat(samples, probs, n)
+    assert stat < chi2_critical(df), f"chi2 {stat:.1f} > {chi2_critical(df):.1f} (df {df})"
