@@ -100,6 +100,28 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
                      "(--target toy-s) or call mmspec_ray.training.generate_features / train_eagle2 from Python")
 
 
+def cmd_bench(a: argparse.Namespace) -> int:
+    from mmspec_ray.bench.run import BenchConfig, run_bench, write_results
+    from mmspec_ray.spec.tree import TreeConfig
+    from mmspec_ray.targets import load_target
+    from mmspec_ray.toy.build import build_toy
+    from mmspec_ray.toy.prompts import toy_requests
+
+    world = build_toy(a.target)
+    target = load_target(world.target)
+    drafter = resolve_drafter(a.drafter, a.target) if a.drafter else None
+    cfg = BenchConfig(prompts=a.prompts, max_new_tokens=a.max_new_tokens, repeats=a.repeats,
+                      temperatures=tuple(a.temperatures),
+                      tree=TreeConfig(top_k=a.tree_top_k, depth=a.tree_depth, total_tokens=a.tree_tokens))
+    tasks = tuple(a.tasks.split(",")) if a.tasks else None
+    requests = list(toy_requests(world, "test", a.prompts, seed=a.seed, tasks=tasks))
+    res = run_bench(target, requests, drafter, cfg)
+    res["command"] = "mmspec " + " ".join(sys.argv[1:])
+    out = write_results(res, a.out, f"{a.target}: {len(requests)} held-out prompts, max_new_tokens {a.max_new_tokens}")
+    print((out / "bench.md").read_text())
+    return 0
+
+
 def cmd_demo(a: argparse.Namespace) -> int:
     """Build the toy world if missing and caption a few held-out toy clips with the toy target."""
     import csv
@@ -170,6 +192,21 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--epochs", type=int, default=None)
     td.add_argument("--force", action="store_true", help="start over instead of resuming")
     td.set_defaults(fn=cmd_train_drafter)
+
+    be = sub.add_parser("bench", help="AR vs drafters vs HF peers on held-out toy prompts (JSON + markdown)")
+    be.add_argument("--target", default="toy-s", choices=["toy-s", "toy-m"])
+    be.add_argument("--drafter", default="eagle2", help="eagle2 (the toy world's), a checkpoint dir, or ''")
+    be.add_argument("--prompts", type=int, default=12)
+    be.add_argument("--tasks", default="", help="comma-separated toy tasks to draw prompts from (default: all)")
+    be.add_argument("--max-new-tokens", type=int, default=128)
+    be.add_argument("--repeats", type=int, default=3)
+    be.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    be.add_argument("--tree-top-k", type=int, default=8)
+    be.add_argument("--tree-depth", type=int, default=5)
+    be.add_argument("--tree-tokens", type=int, default=48)
+    be.add_argument("--seed", type=int, default=0)
+    be.add_argument("--out", default="out/bench")
+    be.set_defaults(fn=cmd_bench)
 
     d = sub.add_parser("demo", help="build the toy world if needed and caption a few toy clips")
     d.add_argument("--size", default="toy-s", choices=["toy-s", "toy-m"])

@@ -1,0 +1,175 @@
+"""`mmspec bench`: AR vs our drafters vs the HF peers on held-out toy prompts, same target, same prompts, same
+max_new_tokens, same process, methods interleaved per prompt after a warm-up; medians over repeats.
+
+Speedup = AR wall time / method wall time (per prompt, then the median). τ is reported both ways: accepted draft
+tokens per cycle, and tokens committed per target forward (accepted + 1). The oracle drafter (proposes the AR answer)
+gives the engine-efficiency figure: measured speedup / ideal speedup, ideal = (accepted + 1) x AR step time /
+target verify-forward time per cycle (what a free drafter and free bookkeeping would give).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel
+
+from mmspec_ray.config import SamplingParams
+from mmspec_ray.drafters.base import load_drafter
+from mmspec_ray.drafters.ngram import NgramDrafter
+from mmspec_ray.drafters.oracle import OracleDrafter
+from mmspec_ray.spec.engine import AREngine, SpecEngine
+from mmspec_ray.spec.tree import TreeConfig
+from mmspec_ray.targets.base import Request, VLMTarget
+
+log = logging.getLogger(__name__)
+
+
+class BenchConfig(BaseModel):
+    prompts: int = 12
+    max_new_tokens: int = 128
+    repeats: int = 3
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    tree: TreeConfig = TreeConfig()
+    prompt_lookup_tokens: int = 10
+    seed: int = 0
+
+
+def _hf_runner(target: VLMTarget, req: Request, max_new_tokens: int, sampling: SamplingParams,
+               **extra) -> Callable[[], tuple[int, dict]]:
+    inputs = target.encode(req)
+    n = inputs["input_ids"].shape[1]
+    kw = dict(max_new_tokens=max_new_tokens, do_sample=not sampling.greedy, **extra)
+    if not sampling.greedy:
+        kw.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
+
+    def run() -> tuple[int, dict]:
+        torch.manual_seed(sampling.seed or 0)
+        with torch.inference_mode():
+            out = target.model.generate(**inputs, **kw)
+        return out.shape[1] - n, {}
+
+    return run
+
+
+def _engine_runner(engine: SpecEngine, req: Request, max_new_tokens: int,
+                   sampling: SamplingParams) -> Callable[[], tuple[int, dict]]:
+    def run() -> tuple[int, dict]:
+        g = engine.generate(req, sampling, max_new_tokens=max_new_tokens)
+        st = g.stats
+        return len(g.token_ids), {"accepted": sum(st.accepted_per_cycle), "cycles": st.cycles,
+                                  "draft_s": st.draft_s, "verify_s": st.verify_s, "overhead_s": st.overhead_s}
+
+    return run
+
+
+def run_bench(target: VLMTarget, requests: list[Request], drafter_path: str | None, cfg: BenchConfig,
+              assistant=None) -> dict:
+    """Measure every method on every request; returns the raw records and per-method summaries."""
+    results: dict = {"config": cfg.model_dump(), "machine": platform.processor() or platform.machine(),
+                     "torch_threads": torch.get_num_threads(), "runs": []}
+    ar = AREngine(target)
+    for temp in cfg.temperatures:
+        sampling = SamplingParams(temperature=temp, top_k=0, top_p=1.0, seed=cfg.seed)
+        for pi, req in enumerate(requests):
+            ref = ar.generate(req, SamplingParams(), max_new_tokens=cfg.max_new_tokens)  # warm-up + oracle answer
+            methods: dict[str, Callable[[], tuple[int, dict]]] = {
+                "ar": _engine_runner(ar, req, cfg.max_new_tokens, sampling),
+                "hf_generate": _hf_runner(target, req, cfg.max_new_tokens, sampling),
+                "hf_prompt_lookup": _hf_runner(target, req, cfg.max_new_tokens, sampling,
+                                               prompt_lookup_num_tokens=cfg.prompt_lookup_tokens),
+                "ngram": _engine_runner(SpecEngine(target, NgramDrafter(), cfg.tree), req, cfg.max_new_tokens,
+                                        sampling),
+            }
+            if assistant is not None:
+                methods["hf_assisted"] = _hf_runner(target, req, cfg.max_new_tokens, sampling,
+                                                    assistant_model=assistant)
+            if drafter_path:
+                methods["eagle2"] = _engine_runner(SpecEngine(target, load_drafter(drafter_path, target), cfg.tree),
+                                                   req, cfg.max_new_tokens, sampling)
+            if temp == 0.0:
+                methods["oracle"] = _engine_runner(SpecEngine(target, OracleDrafter(ref.token_ids), cfg.tree), req,
+                                                   cfg.max_new_tokens, sampling)
+            for name, fn in list(methods.items()):  # warm-up of each path on this prompt
+                try:
+                    fn()
+                except Exception as e:  # a peer that cannot run this prompt is reported, not fatal
+                    log.warning("bench: %s failed on prompt %d: %s", name, pi, e)
+                    results.setdefault("errors", []).append({"temperature": temp, "prompt": pi, "method": name,
+                                                             "error": f"{type(e).__name__}: {e}"[:300]})
+                    del methods[name]
+            for rep in range(cfg.repeats):
+                for name, fn in methods.items():  # interleaved
+                    t0 = time.perf_counter()
+                    ntok, extra = fn()
+                    results["runs"].append({"temperature": temp, "prompt": pi, "repeat": rep, "method": name,
+                                            "seconds": time.perf_counter() - t0, "tokens": ntok, **extra})
+            log.info("bench T=%s prompt %d/%d done", temp, pi + 1, len(requests))
+    results["summary"] = summarize(results["runs"])
+    return results
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Per temperature and method: median per-prompt speedup over AR, spread, τ both ways, tokens/s."""
+    out: dict = {}
+    for temp in sorted({r["temperature"] for r in runs}):
+        rs = [r for r in runs if r["temperature"] == temp]
+        prompts = sorted({r["prompt"] for r in rs})
+
+        def med(method: str, p: int, key: str = "seconds") -> float:
+            return statistics.median(r[key] for r in rs if r["method"] == method and r["prompt"] == p)
+
+        ar_step = {p: med("ar", p) / max(1, med("ar", p, "tokens")) for p in prompts}
+        table = {}
+        for m in dict.fromkeys(r["method"] for r in rs):
+            mine = [p for p in prompts if any(r["method"] == m and r["prompt"] == p for r in rs)]
+            sp = [med("ar", p) / med(m, p) for p in mine]
+            mr = [r for r in rs if r["method"] == m]
+            row = {"prompts": len(mine), "speedup_median": statistics.median(sp), "speedup_min": min(sp),
+                   "speedup_max": max(sp),
+                   "tokens_per_s": sum(r["tokens"] for r in mr) / sum(r["seconds"] for r in mr)}
+            if "cycles" in mr[0]:
+                acc = sum(r["accepted"] for r in mr) / max(1, sum(r["cycles"] for r in mr))
+                row.update(accepted_per_cycle=acc, tokens_per_forward=acc + 1)
+                row["ideal_speedup"] = statistics.median(
+                    (acc + 1) * ar_step[p] / (med(m, p, "verify_s") / max(1, med(m, p, "cycles")))
+                    for p in mine) if m == "oracle" else None
+                if m == "oracle":
+                    row["efficiency"] = row["speedup_median"] / row["ideal_speedup"]
+            table[m] = row
+        out[str(temp)] = table
+    return out
+
+
+def to_markdown(results: dict, title: str) -> str:
+    lines = [f"### {title}", ""]
+    for temp, table in results["summary"].items():
+        lines += [f"T = {temp}", "",
+                  "| method | prompts | speedup vs AR (median) | min-max | tokens/s | accepted/cycle | tokens/forward |",
+                  "|---|---|---|---|---|---|---|"]
+        for m, r in table.items():
+            acc = f"{r['accepted_per_cycle']:.2f}" if "accepted_per_cycle" in r else "-"
+            tpf = f"{r['tokens_per_forward']:.2f}" if "tokens_per_forward" in r else "-"
+            lines.append(f"| {m} | {r['prompts']} | {r['speedup_median']:.2f}x | {r['speedup_min']:.2f}-{r['speedup_max']:.2f} | "
+                         f"{r['tokens_per_s']:.1f} | {acc} | {tpf} |")
+            if r.get("efficiency") is not None:
+                lines.append(f"| (oracle: ideal {r['ideal_speedup']:.2f}x, efficiency {r['efficiency']:.0%}) |"
+                             " | | | | | |")
+        lines.append("")
+    for e in results.get("errors", []):
+        lines.append(f"- not measured: {e['method']} at T={e['temperature']} on prompt {e['prompt']}: {e['error']}")
+    return "\n".join(lines)
+
+
+def write_results(results: dict, out_dir: str | Path, title: str) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(results, indent=1))
+    (out / "bench.md").write_text(to_markdown(results, title))
+    return out
