@@ -1,0 +1,170 @@
+"""Command line of the batch jobs (`jobs/caption_kinetics.py`, `jobs/instruct.py`): flags over an optional YAML
+job file over defaults. With no flags a job runs on the embedded toy world (toy-s target, its test split).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from mmspec_ray.batch.spec import CAPTION_PROMPT, DEFAULT_DRAFTER, DEFAULT_SPLIT, DEFAULT_TOY, JobSpec, merge
+from mmspec_ray.config import S3Config
+
+log = logging.getLogger("mmspec.batch")
+
+JOBS = {
+    "caption_kinetics": {"media": "video", "help": "caption video clips (Kinetics CSV + clip root, or parquet)"},
+    "instruct": {"media": "image", "help": "answer an instruction about an image per row"},
+}
+
+
+def build_parser(job: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"jobs/{job}.py", description=JOBS[job]["help"])
+    a = p.add_argument
+    a("--config", help="YAML job file (JobSpec); flags override it")
+    a("--input", help="parquet file/dir (local or s3://)" + (" or a Kinetics annotation CSV" if job ==
+      "caption_kinetics" else "") + f"; default: the {DEFAULT_TOY} toy world's {DEFAULT_SPLIT} split")
+    if job == "caption_kinetics":
+        a("--clip-root", help="folder (local or s3://) of <youtube_id>_<start:06d>_<end:06d>.mp4 clips for a CSV input")
+    a("--output", help="output directory (local or s3://); re-running resumes; default under $MMSPEC_HOME/batch/")
+    a("--target", help=f"checkpoint dir or s3:// prefix, or a toy world name (default {DEFAULT_TOY})")
+    a("--drafter", help='"ngram", "none" or a drafter checkpoint dir (default: spec.DEFAULT_DRAFTER)')
+    a("--toy", default=DEFAULT_TOY, help="toy world for the defaults (toy-s, toy-m)")
+    a("--split", default=DEFAULT_SPLIT, help="toy world split for the default input")
+    a("--num-actors", type=int)
+    a("--min-actors", type=int, help="autoscale the pool between --min-actors and --num-actors")
+    a("--gpus-per-actor", type=float)
+    a("--cpus-per-actor", type=float)
+    a("--max-new-tokens", type=int)
+    a("--temperature", type=float)
+    a("--top-p", type=float)
+    a("--top-k", type=int)
+    a("--seed", type=int)
+    a("--limit", type=int, help="only the first N input rows")
+    a("--prompt", help="prompt for rows without a prompt column" +
+      (f" (default {CAPTION_PROMPT!r})" if job == "caption_kinetics" else ""))
+    a("--num-frames", type=int, help="frames per clip (default: the target's convention)")
+    a("--fps", type=float, help="sample clips at this rate instead of --num-frames")
+    a("--rows-per-block", type=int, help="rows per actor call (retry and resume unit)")
+    a("--rows-per-file", type=int, help="combine output into files of at least N rows")
+    a("--device")
+    a("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    a("--s3-endpoint", help="S3-compatible endpoint, e.g. http://127.0.0.1:9000 (default: AWS_ENDPOINT_URL)")
+    a("--s3-region")
+    a("--overwrite", action="store_true", default=None, help="start over instead of resuming")
+    a("--no-progress-bars", dest="progress_bars", action="store_false", default=None)
+    a("--progress-interval", type=float, dest="progress_interval_s")
+    a("-v", "--verbose", action="store_true")
+    return p
+
+
+def flag_overrides(a: argparse.Namespace) -> dict[str, Any]:
+    """Flags the user gave, nested the way JobSpec is."""
+    top = {k: getattr(a, k) for k in ("input", "output", "num_actors", "min_actors", "gpus_per_actor",
+                                      "cpus_per_actor", "limit", "rows_per_block", "rows_per_file", "overwrite",
+                                      "progress_bars", "progress_interval_s")}
+    dec = {k: getattr(a, k) for k in ("target", "drafter", "max_new_tokens", "temperature", "top_p", "top_k",
+                                      "seed", "device", "dtype")}
+    dec["default_prompt"] = a.prompt
+    media = {"num_frames": a.num_frames, "fps": a.fps}
+    s3 = {}
+    if a.s3_endpoint:
+        s3 = {"endpoint_override": a.s3_endpoint.split("://", 1)[-1],
+              "scheme": "http" if a.s3_endpoint.startswith("http://") else "https"}
+    if a.s3_region:
+        s3["region"] = a.s3_region
+    dec = {k: v for k, v in dec.items() if v is not None}
+    media = {k: v for k, v in media.items() if v is not None}
+    if media:
+        dec["media"] = media
+    if s3:
+        dec["s3"] = s3
+    out = {k: v for k, v in top.items() if v is not None}
+    if dec:
+        out["decode"] = dec
+    return out
+
+
+def resolve_target(target: str) -> str:
+    """A toy world name becomes its (built on first use) checkpoint directory; anything else passes through."""
+    from mmspec_ray.toy.model import TOY_SIZES
+
+    if target in TOY_SIZES:
+        from mmspec_ray.toy.build import build_toy
+
+        return str(build_toy(target).target)
+    return target
+
+
+def frames_default(target: str) -> int | None:
+    """The target's frames-per-clip convention (toy targets record theirs); None for an s3:// target."""
+    if target.startswith("s3://"):
+        return None
+    from mmspec_ray.targets.hf import video_frames_for
+
+    return video_frames_for(target)
+
+
+def plan(job: str, a: argparse.Namespace) -> tuple[JobSpec, pa.Table | None]:
+    """The JobSpec and, for CSV or toy-world inputs, the rows built in memory."""
+    from mmspec_ray.batch.sources import kinetics_rows, toy_rows
+    from mmspec_ray.toy.build import build_toy, mmspec_home
+
+    data: dict[str, Any] = {}
+    if a.config:
+        import yaml
+
+        data = yaml.safe_load(Path(a.config).read_text()) or {}
+    data = merge(data, flag_overrides(a))
+    dec = data.setdefault("decode", {})
+    dec["target"] = resolve_target(dec.get("target") or a.toy)
+    media = dec.setdefault("media", {})
+    media.setdefault("require", JOBS[job]["media"])
+    if job == "caption_kinetics":
+        dec.setdefault("default_prompt", CAPTION_PROMPT)
+        if media.get("fps") is None and media.get("num_frames") is None:
+            media["num_frames"] = frames_default(dec["target"])
+    table = None
+    if not data.get("input"):
+        world = build_toy(a.toy)
+        if job == "caption_kinetics":
+            table = kinetics_rows(str(world.kinetics_csv(a.split)), str(world.clips / a.split), dec["default_prompt"])
+            data["input"] = str(world.kinetics_csv(a.split))
+        else:
+            table = toy_rows(str(world.examples(a.split)), str(world.data), "image")
+            data["input"] = f"{world.examples(a.split)} (image rows)"
+    elif job == "caption_kinetics" and data["input"].lower().endswith(".csv"):
+        if not a.clip_root:
+            raise SystemExit("a Kinetics CSV input needs --clip-root (the folder of <youtube_id>_<start>_<end>.mp4)")
+        s3 = S3Config.model_validate(dec["s3"]) if "s3" in dec else S3Config.from_env()
+        table = kinetics_rows(data["input"], a.clip_root, dec["default_prompt"], s3)
+    if not data.get("output"):
+        target_name = Path(dec["target"].rstrip("/")).name
+        if target_name == "target":  # a toy world's checkpoint folder: name the world instead
+            target_name = Path(dec["target"].rstrip("/")).parent.name
+        drafter = Path(str(dec.get("drafter") or DEFAULT_DRAFTER).rstrip("/")).name
+        data["output"] = str(mmspec_home() / "batch" / f"{job}-{target_name}-{drafter}")
+    return JobSpec.model_validate(data), table
+
+
+def main(argv: list[str] | None, job: str) -> int:
+    a = build_parser(job).parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from mmspec_ray.batch.pipeline import run_job
+
+    spec, table = plan(job, a)
+    log.info("job spec:\n%s", spec.to_yaml())
+    summary = run_job(spec, table=table)
+    print(json.dumps(summary, indent=2, default=str))
+    return 0 if summary["complete"] else 1
+
+
+def entry(job: str) -> None:
+    sys.exit(main(sys.argv[1:], job))

@@ -1,0 +1,133 @@
+"""`SpecDecoder`: one target + one drafter, decoding rows one at a time.
+
+Ray Data runs it as a callable class in an actor pool (`__call__` on a pyarrow block); a Ray Serve deployment, a
+benchmark or a test calls `decode(row)` directly. Both go through the same `generate`, so batch and online share
+every line of decoding code. A bad row never raises: it comes back with `error` set.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import pyarrow as pa
+import torch
+
+from mmspec_ray.batch.rows import (ERROR_COL, ERROR_KIND_COL, INTERNAL_COLUMNS, OUTPUT_SCHEMA, REQUEST_COL,
+                                   RowError, error_output, prepare_row)
+from mmspec_ray.batch.spec import DecodeConfig
+from mmspec_ray.drafters.base import load_drafter
+from mmspec_ray.spec.engine import SpecEngine
+from mmspec_ray.targets import Request, TargetError, load_target
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(cfg: DecodeConfig) -> tuple[str, torch.dtype]:
+    """(device, dtype) for this process: "auto" picks cuda when a GPU is visible (bf16 there, fp32 on CPU)."""
+    device = cfg.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.dtype != "auto":
+        return device, _DTYPES[cfg.dtype]
+    return device, torch.bfloat16 if device.startswith("cuda") else torch.float32
+
+
+class SpecDecoder:
+    """Holds one target and one drafter; `decode(row)` -> output columns, `__call__(block)` -> block + outputs."""
+
+    def __init__(self, config: DecodeConfig | Mapping[str, Any], progress: Any = None) -> None:
+        self.config = config if isinstance(config, DecodeConfig) else DecodeConfig.model_validate(config)
+        cfg = self.config
+        if cfg.torch_threads:
+            torch.set_num_threads(cfg.torch_threads)
+        self.device, self.dtype = resolve_device(cfg)
+        t0 = time.perf_counter()
+        self.target = load_target(cfg.target, self.device, self.dtype, s3=cfg.s3)
+        self.drafter = load_drafter(cfg.drafter, self.target, device=self.device)
+        self.engine = SpecEngine(self.target, self.drafter, cfg.tree)
+        self.progress = progress  # optional ProgressTracker actor handle
+        self.load_seconds = time.perf_counter() - t0
+        log.info("decoder ready: target %s (%s, %s), drafter %s, %.1f s", cfg.target, self.device, self.dtype,
+                 cfg.drafter, self.load_seconds)
+
+    # ---------- one row ----------
+    def decode(self, row: Mapping[str, Any]) -> dict[str, Any]:
+        """Decode one input row (media still encoded) into its output columns; never raises for a bad row."""
+        try:
+            request = prepare_row(row, self.config)
+        except RowError as e:
+            return error_output(str(e), e.kind)
+        return self.generate(request, row.get("id"))
+
+    def generate(self, request: Request, row_id: Any = None) -> dict[str, Any]:
+        """Run the speculative engine on a prepared request; errors become the row's `error`."""
+        cfg = self.config
+        try:
+            gen = self.engine.generate(request, cfg.sampling_for(row_id), cfg.max_new_tokens, cfg.stop)
+        except TargetError as e:
+            msg = str(e)
+            if "exceeds the target's context" in msg:
+                return error_output(f"prompt: too long: {msg}", "too_long")
+            return error_output(f"request: {msg}", "target")
+        except Exception as e:  # a bug or a device error on one row must not end the job
+            log.exception("row %r failed", row_id)
+            return error_output(f"internal: {type(e).__name__}: {e}", "internal")
+        return {
+            "output_text": gen.text,
+            "output_token_ids": list(gen.token_ids),
+            "finish_reason": gen.finish_reason,
+            "num_output_tokens": len(gen.token_ids),
+            "accepted_per_cycle": float(gen.stats.mean_accepted),
+            "decode_seconds": float(gen.stats.total_s),
+            "error": None,
+            "error_kind": None,
+        }
+
+    # ---------- one Ray Data block ----------
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        """Decode every row of a block. Rows the media stage already prepared carry a pickled `Request`
+        (or their media error); raw rows are prepared here."""
+        prepared = REQUEST_COL in batch.column_names
+        outputs: list[dict[str, Any]] = []
+        if prepared:
+            ids = batch.column("id").to_pylist() if "id" in batch.column_names else [None] * batch.num_rows
+            blobs = batch.column(REQUEST_COL).to_pylist()
+            errors = batch.column(ERROR_COL).to_pylist()
+            kinds = batch.column(ERROR_KIND_COL).to_pylist()
+            for row_id, blob, err, kind in zip(ids, blobs, errors, kinds):
+                if err is not None:
+                    outputs.append(error_output(err, kind))
+                else:
+                    outputs.append(self.generate(pickle.loads(blob), row_id))
+        else:
+            outputs = [self.decode(row) for row in batch.to_pylist()]
+        self._report(outputs)
+        return attach_outputs(batch, outputs)
+
+    def _report(self, outputs: list[dict[str, Any]]) -> None:
+        if self.progress is None:
+            return
+        ok = [o for o in outputs if o["error"] is None]
+        try:
+            self.progress.report.remote(
+                rows=len(outputs), errors=len(outputs) - len(ok),
+                tokens=sum(o["num_output_tokens"] for o in ok),
+                accepted_sum=sum(o["accepted_per_cycle"] for o in ok),
+                decode_s=sum(o["decode_seconds"] for o in ok))
+        except Exception:  # progress is best effort
+            log.debug("progress report failed", exc_info=True)
+
+
+def attach_outputs(batch: pa.Table, outputs: list[dict[str, Any]]) -> pa.Table:
+    """The block without internal columns, plus the typed output columns."""
+    keep = [c for c in batch.column_names if c not in INTERNAL_COLUMNS]
+    table = batch.select(keep)
+    for field in OUTPUT_SCHEMA:
+        table = table.append_column(field, pa.array([o[field.name] for o in outputs], type=field.type))
+    return table

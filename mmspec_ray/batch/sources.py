@@ -1,0 +1,57 @@
+"""Input adapters that turn other layouts into pipeline rows (`id`, `prompt`, `image_uri` / `video_uri` ...).
+
+- A Kinetics annotation CSV (`label,youtube_id,time_start,time_end,split`, the test split has no label) plus a clip
+  root holding `<youtube_id>_<time_start:06d>_<time_end:06d>.mp4` (local or s3://).
+- The embedded toy world's example parquet (`media_type`, `media_path` relative to the world's data folder).
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from mmspec_ray.batch.storage import locate
+from mmspec_ray.config import S3Config
+
+KINETICS_COLUMNS = ("label", "youtube_id", "time_start", "time_end", "split")
+
+
+def clip_name(youtube_id: str, time_start: int, time_end: int) -> str:
+    """The Kinetics clip file name convention."""
+    return f"{youtube_id}_{int(time_start):06d}_{int(time_end):06d}.mp4"
+
+
+def kinetics_rows(csv_uri: str, clip_root: str, prompt: str, s3: S3Config | None = None) -> pa.Table:
+    """One row per annotation: the CSV's columns plus `id` (the clip's file stem), `video_uri` and `prompt`."""
+    s3 = s3 or S3Config.from_env()
+    loc = locate(csv_uri, s3)
+    opts = pacsv.ConvertOptions(column_types={"youtube_id": pa.string(), "label": pa.string(),
+                                              "split": pa.string(), "time_start": pa.int64(),
+                                              "time_end": pa.int64()})
+    with loc.fs.open_input_stream(loc.path) as f:
+        t = pacsv.read_csv(f, convert_options=opts)
+    missing = [c for c in ("youtube_id", "time_start", "time_end") if c not in t.column_names]
+    if missing:
+        raise ValueError(f"{csv_uri} is not a Kinetics annotation CSV: missing column(s) {missing} "
+                         f"(expected {','.join(KINETICS_COLUMNS)})")
+    root = clip_root.rstrip("/") if clip_root.startswith("s3://") else locate(clip_root, s3).path
+    names = [clip_name(y, s, e) for y, s, e in zip(t.column("youtube_id").to_pylist(),
+                                                   t.column("time_start").to_pylist(),
+                                                   t.column("time_end").to_pylist())]
+    ids = pa.array([n[: -len(".mp4")] for n in names], type=pa.string())
+    uris = pa.array([f"{root}/{n}" for n in names], type=pa.string())
+    t = t.add_column(0, "id", ids)
+    t = t.append_column("video_uri", uris)
+    return t.append_column("prompt", pa.array([prompt] * t.num_rows, type=pa.string()))
+
+
+def toy_rows(examples_parquet: str, data_root: str, media_type: str) -> pa.Table:
+    """The toy world's examples of one media type as pipeline rows: `image_uri` / `video_uri` absolute paths;
+    `id`, `task`, `prompt`, `answer` kept (the reference answer stays next to the model's output)."""
+    t = pq.read_table(examples_parquet)
+    t = t.filter(pc.equal(t.column("media_type"), media_type))
+    col = "image_uri" if media_type == "image" else "video_uri"
+    uris = pa.array([f"{data_root.rstrip('/')}/{p}" for p in t.column("media_path").to_pylist()], type=pa.string())
+    return t.select(["id", "task", "prompt", "answer"]).append_column(col, uris)

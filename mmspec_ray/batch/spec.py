@@ -1,0 +1,118 @@
+"""The batch job spec (pydantic): what to read, how to decode, where to write, how many actors.
+
+`DecodeConfig` is everything one `SpecDecoder` needs (also what a Serve deployment is built from); `JobSpec` adds
+the pipeline around it. Both load from YAML; the job scripts overlay command-line flags on top.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from mmspec_ray.config import MediaLimits, S3Config, SamplingParams
+from mmspec_ray.spec.tree import TreeConfig
+
+# The single place where the batch jobs choose their default drafter. Switch this to the trained EAGLE-2 drafter
+# checkpoint (a directory with config.json + model.safetensors) once it ships; everything else follows.
+DEFAULT_DRAFTER = "ngram"
+
+# The embedded default world the jobs run on when no --target / --input is given.
+DEFAULT_TOY = "toy-s"
+DEFAULT_SPLIT = "test"
+
+CAPTION_PROMPT = "Describe what happens in the video."
+
+
+class MediaSpec(BaseModel):
+    """How a row's media becomes model input."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_frames: int | None = Field(None, ge=1, description="uniform frames per clip; None: the target's convention")
+    fps: float | None = Field(None, gt=0, description="sample clips at this rate instead of num_frames")
+    require: Literal["image", "video"] | None = Field(
+        None, description="every row must carry this media kind (a null one is a row error)")
+    limits: MediaLimits = MediaLimits()
+
+    @model_validator(mode="after")
+    def _one_sampling_rule(self) -> "MediaSpec":
+        if self.num_frames is not None and self.fps is not None:
+            raise ValueError("give media.num_frames or media.fps, not both")
+        return self
+
+
+class DecodeConfig(BaseModel):
+    """One target + one drafter + how to decode: the constructor argument of `SpecDecoder`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    target: str = Field(..., description="checkpoint directory or s3:// prefix (save_pretrained layout)")
+    drafter: str = Field(DEFAULT_DRAFTER, description='"none", "ngram" or a trained drafter checkpoint directory')
+    device: str = Field("auto", description='"auto" (cuda when the actor has a GPU), "cpu", "cuda", "cuda:1" ...')
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    tree: TreeConfig = TreeConfig()
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seed: int = Field(0, description="with temperature > 0 each row samples with a seed derived from (seed, id)")
+    max_new_tokens: int = Field(128, ge=1)
+    stop: tuple[str, ...] = ()
+    default_prompt: str | None = Field(None, description="prompt for rows of an input that has no prompt column")
+    media: MediaSpec = MediaSpec()
+    s3: S3Config = Field(default_factory=S3Config.from_env)
+    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads per decoder (None: leave)")
+
+    def sampling_for(self, row_id: object) -> SamplingParams:
+        """Sampling parameters of one row. The seed depends only on (seed, id), so a retried or resumed row
+        samples exactly what it would have the first time."""
+        if self.temperature == 0.0:
+            return SamplingParams()
+        digest = hashlib.sha256(f"{self.seed}\x00{row_id}".encode()).digest()
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              seed=int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+class JobSpec(BaseModel):
+    """A batch job: input parquet (local or s3://) -> SpecDecoder actor pool -> output parquet (+ _summary.json)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    input: str = Field(..., description="parquet file or directory, local or s3://")
+    output: str = Field(..., description="output directory, local or s3://; re-running resumes into it")
+    decode: DecodeConfig
+    num_actors: int = Field(1, ge=1, description="most decoder actors (ActorPoolStrategy max_size)")
+    min_actors: int | None = Field(None, ge=1, description="fewest decoder actors; None: num_actors (fixed pool)")
+    gpus_per_actor: float = Field(0.0, ge=0.0)
+    cpus_per_actor: float = Field(1.0, gt=0.0, description="lowered automatically so reads keep a CPU")
+    cpus_per_task: float = Field(0.5, gt=0.0, description="CPUs of each read / media-decode / write task")
+    rows_per_block: int = Field(4, ge=1, description="rows per actor call: the unit of retry and of resume")
+    rows_per_file: int | None = Field(None, ge=1, description="combine blocks into files of at least this many rows")
+    limit: int | None = Field(None, ge=1, description="only the first N input rows (stable across re-runs)")
+    overwrite: bool = Field(False, description="delete existing output first instead of resuming")
+    progress_interval_s: float = Field(10.0, gt=0.0)
+    progress_bars: bool = True
+
+    @property
+    def pool_min(self) -> int:
+        return min(self.min_actors or self.num_actors, self.num_actors)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides) -> "JobSpec":
+        """Load a YAML job file; `overrides` (already nested, e.g. decode={...}) win over the file."""
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        return cls.model_validate(merge(data, overrides))
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def merge(base: dict, over: dict) -> dict:
+    """Recursive dict merge; values in `over` win, nested dicts merge."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out

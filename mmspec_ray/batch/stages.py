@@ -1,0 +1,46 @@
+"""The CPU stages around the decoder actors: drop rows already done, decode media ahead of the actors.
+
+Both are plain functions on pyarrow tables, run by Ray Data as stateless tasks.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from mmspec_ray.batch.rows import ERROR_COL, ERROR_KIND_COL, REQUEST_COL, RowError, prepare_row
+from mmspec_ray.batch.spec import DecodeConfig
+
+
+def keep_ids(batch: pa.Table, ids: pa.Array) -> pa.Table:
+    """Rows whose `id` is in `ids` (the rows this run still has to do)."""
+    return batch.filter(pc.is_in(batch.column("id"), value_set=ids))
+
+
+def prepare_block(batch: pa.Table, cfg: DecodeConfig) -> pa.Table:
+    """Decode each row's media into a pickled `Request` (or record the row's error) so that decoder actors spend
+    their time on the model, not on fetching and decoding media."""
+    blobs: list[bytes | None] = []
+    errors: list[str | None] = []
+    kinds: list[str | None] = []
+    for row in batch.to_pylist():
+        try:
+            request = prepare_row(row, cfg)
+        except RowError as e:
+            blobs.append(None)
+            errors.append(str(e))
+            kinds.append(e.kind)
+            continue
+        except Exception as e:  # unexpected decoder failure on odd input: still that row's error only
+            blobs.append(None)
+            errors.append(f"media: {type(e).__name__}: {e}")
+            kinds.append("internal")
+            continue
+        blobs.append(pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL))
+        errors.append(None)
+        kinds.append(None)
+    return (batch.append_column(REQUEST_COL, pa.array(blobs, type=pa.large_binary()))
+            .append_column(ERROR_COL, pa.array(errors, type=pa.string()))
+            .append_column(ERROR_KIND_COL, pa.array(kinds, type=pa.string())))

@@ -1,0 +1,72 @@
+"""The end-of-job summary, computed from what the output really holds (so it is exact after crashes and resumes).
+
+`run` covers the rows this invocation decoded, `output` every row of the job's output; `complete` is true when the
+output has each of the job's ids exactly once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+SUMMARY_COLUMNS = ["error_kind", "num_output_tokens", "accepted_per_cycle", "decode_seconds"]
+
+
+def row_stats(t: pa.Table | None) -> dict[str, Any]:
+    """Rows, errors by kind, output tokens, mean accepted tokens per cycle and decode time of a set of rows."""
+    if t is None or t.num_rows == 0:
+        return {"rows": 0, "ok": 0, "errors": 0, "errors_by_kind": {}, "output_tokens": 0,
+                "mean_accepted_per_cycle": None, "decode_seconds": 0.0}
+    kinds = t.column("error_kind")
+    by_kind = {d["values"]: d["counts"] for d in pc.value_counts(kinds.drop_null()).to_pylist()}
+    ok = t.filter(pc.is_null(kinds))
+    acc = pc.mean(ok.column("accepted_per_cycle")).as_py() if ok.num_rows else None
+    return {
+        "rows": t.num_rows,
+        "ok": ok.num_rows,
+        "errors": t.num_rows - ok.num_rows,
+        "errors_by_kind": dict(sorted(by_kind.items())),
+        "output_tokens": int(pc.sum(ok.column("num_output_tokens")).as_py() or 0),
+        "mean_accepted_per_cycle": acc,  # mean over successful rows of each row's mean (bonus token excluded)
+        "decode_seconds": float(pc.sum(ok.column("decode_seconds")).as_py() or 0.0),
+    }
+
+
+def summarize(output: pa.Table | None, job_ids: pa.Array, run_ids: pa.Array, wall_s: float,
+              meta: dict[str, Any]) -> dict[str, Any]:
+    """Summary dict of a finished (or resumed) job. `output` holds `id` + SUMMARY_COLUMNS of every written row."""
+    written = output.num_rows if output is not None else 0
+    out_ids = output.column("id") if output is not None else pa.array([], type=job_ids.type)
+    unique = pc.count_distinct(out_ids).as_py() if written else 0
+    missing = int(pc.sum(pc.invert(pc.is_in(job_ids, value_set=out_ids))).as_py() or 0) if len(job_ids) else 0
+    run = output.filter(pc.is_in(output.column("id"), value_set=run_ids)) if output is not None else None
+    run_stats = row_stats(run)
+    run_stats.update(
+        wall_seconds=wall_s,
+        rows_per_s=run_stats["rows"] / wall_s if wall_s > 0 else None,
+        output_tokens_per_s=run_stats["output_tokens"] / wall_s if wall_s > 0 else None,
+    )
+    return {
+        **meta,
+        "rows": len(job_ids),
+        "rows_written": written,
+        "duplicates": written - unique,
+        "missing": missing,
+        "complete": missing == 0 and written == unique,
+        "skipped_already_done": len(job_ids) - len(run_ids),
+        "run": run_stats,
+        "output": row_stats(output),
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    r, o = s["run"], s["output"]
+    acc = o["mean_accepted_per_cycle"]
+    kinds = ", ".join(f"{k}={v}" for k, v in o["errors_by_kind"].items()) or "none"
+    return (f"summary: {s['rows_written']}/{s['rows']} rows in output ({'complete' if s['complete'] else 'INCOMPLETE'}"
+            f", {s['duplicates']} duplicates, {s['missing']} missing); this run {r['rows']} rows "
+            f"({s['skipped_already_done']} already done) in {r['wall_seconds']:.1f} s, "
+            f"{r['output_tokens_per_s'] or 0.0:.1f} output tok/s; errors: {kinds}; "
+            f"mean accepted/cycle {acc if acc is None else round(acc, 3)}")

@@ -1,0 +1,277 @@
+"""The Ray Data pipeline end to end against a real S3 endpoint on loopback (moto): input parquet, media and output
+all on S3. Bad rows of every kind, resume after an interrupted run, an actor killed mid-job, the Kinetics CSV job.
+
+Every good row's text must equal what SpecEngine gives for that row alone (greedy), and every input row must be in
+the output exactly once. One Ray instance for the module (2 CPUs, no dashboard), shut down at the end.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from mmspec_ray.batch import JobSpec, SpecDecoder, run_job  # noqa: E402
+from mmspec_ray.batch.cli import main as job_main  # noqa: E402
+from mmspec_ray.batch.storage import locate, parquet_files, read_json  # noqa: E402
+from mmspec_ray.config import SamplingParams  # noqa: E402
+from mmspec_ray.drafters.base import load_drafter  # noqa: E402
+from mmspec_ray.media import load_image, load_video  # noqa: E402
+from mmspec_ray.spec.engine import SpecEngine  # noqa: E402
+from mmspec_ray.targets import Request, load_target  # noqa: E402
+from mmspec_ray.toy.clips import encode_mp4  # noqa: E402
+from tiny import random_images, tiny_llava  # noqa: E402
+
+MAX_NEW = 10
+FRAMES = 4
+
+# The fault-injecting decoders below live in this test module, which Ray workers cannot import: ship by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def png(img) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llava_batch")
+    model, processor = tiny_llava()
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(s3_server):
+    """A 2-CPU local Ray for this module. Started after the S3 fixture so workers inherit its credentials."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ["RAY_DATA_DISABLE_PROGRESS_BARS"] = "1"
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    """What SpecEngine (greedy, n-gram drafter) gives for one request on its own."""
+    target = load_target(ckpt)
+    engine = SpecEngine(target, load_drafter("ngram", target))
+
+    def run(request: Request) -> list[int]:
+        return engine.generate(request, SamplingParams(), MAX_NEW).token_ids
+
+    return run
+
+
+def spec_for(s3_server, ckpt, input_uri: str, output_uri: str, **kw) -> JobSpec:
+    return JobSpec.model_validate({
+        "input": input_uri, "output": output_uri, "progress_bars": False, "progress_interval_s": 5,
+        "rows_per_block": 2, **kw,
+        "decode": {"target": ckpt, "drafter": "ngram", "max_new_tokens": MAX_NEW, "media": {"num_frames": FRAMES},
+                   "s3": s3_server.s3_config.model_dump()},
+    })
+
+
+def put_parquet(s3_server, bucket: str, key: str, rows: list[dict], schema: pa.Schema | None = None) -> str:
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), buf)
+    return s3_server.put(bucket, key, buf.getvalue())
+
+
+def read_output(s3_server, uri: str) -> pa.Table:
+    loc = locate(uri, s3_server.s3_config)
+    return pa.concat_tables([pq.read_table(f, filesystem=loc.fs) for f in parquet_files(loc)])
+
+
+def image_rows(s3_server, bucket: str, n: int, seed: int) -> tuple[list[dict], dict[str, Request]]:
+    """n good rows, half with image bytes, half with an s3:// image_uri; and each row's reference request."""
+    rows, requests = [], {}
+    for i, img in enumerate(random_images(n, seed=seed)):
+        rid = f"img-{seed}-{i}"
+        data = png(img)
+        uri = s3_server.put(bucket, f"media/{rid}.png", data) if i % 2 else None
+        rows.append({"id": rid, "prompt": f"describe the image {i}", "image": None if uri else data,
+                     "image_uri": uri, "n": i})
+        requests[rid] = Request(prompt=f"describe the image {i}", images=(load_image(data),))
+    return rows, requests
+
+
+ROW_SCHEMA = pa.schema([("id", pa.string()), ("prompt", pa.string()), ("image", pa.binary()),
+                        ("image_uri", pa.string()), ("video", pa.binary()), ("video_uri", pa.string()),
+                        ("n", pa.int64())])
+
+
+def assert_exactly_once(out: pa.Table, ids: list[str]) -> None:
+    got = out.column("id").to_pylist()
+    assert len(got) == len(ids) and sorted(got) == sorted(ids), "every input row exactly once"
+
+
+def assert_matches_reference(out: pa.Table, requests: dict[str, Request], reference) -> None:
+    for row in out.to_pylist():
+        if row["id"] in requests:
+            assert row["error"] is None, row["error"]
+            assert row["output_token_ids"] == reference(requests[row["id"]]), row["id"]
+            assert row["num_output_tokens"] == MAX_NEW and row["finish_reason"] == "length"
+
+
+# ---------------- bad rows of every kind, everything on S3 ----------------
+
+def test_s3_job_with_every_kind_of_bad_row(s3_server, ray_cluster, ckpt, reference):
+    b = s3_server.new_bucket("batch")
+    rows, requests = image_rows(s3_server, b, 3, seed=1)
+    clip = encode_mp4(random_images(8, seed=2), fps=8)
+    clip_uri = s3_server.put(b, "media/clip.mp4", clip)
+    frames = tuple(load_video(clip, num_frames=FRAMES).frames)
+    rows += [
+        {"id": "vid-bytes", "prompt": "what is happening", "video": clip, "n": 10},
+        {"id": "vid-uri", "prompt": "what happens", "video_uri": clip_uri, "n": 11},
+        {"id": "text-only", "prompt": "red blue circle", "n": 12},
+    ]
+    requests |= {"vid-bytes": Request(prompt="what is happening", videos=(frames,)),
+                 "vid-uri": Request(prompt="what happens", videos=(frames,)),
+                 "text-only": Request(prompt="red blue circle")}
+    good_png = png(random_images(1, seed=4)[0])
+    corrupt = s3_server.put(b, "media/corrupt.png", good_png[:100] + bytes(200) + good_png[300:])
+    truncated = s3_server.put(b, "media/truncated.mp4", clip[: len(clip) // 2])
+    bad = {
+        "bad-corrupt-image": ({"prompt": "p", "image_uri": corrupt}, "image_uri", "media.corrupt"),
+        "bad-truncated-clip": ({"prompt": "p", "video_uri": truncated}, "video_uri", "media.truncated"),
+        "bad-missing-uri": ({"prompt": "p", "image_uri": f"s3://{b}/media/nope.png"}, "image_uri",
+                            "media.not_found"),
+        "bad-long-prompt": ({"prompt": "red " * 10_000, "image": good_png}, "prompt", "too_long"),
+        "bad-null-prompt": ({"prompt": None, "image": good_png}, "prompt", "null_field"),
+    }
+    rows += [{"id": k, "n": 100 + i, **v[0]} for i, (k, v) in enumerate(bad.items())]
+    src = put_parquet(s3_server, b, "in/part-0.parquet", rows, ROW_SCHEMA)
+    out_uri = f"s3://{b}/out/run1/"
+
+    summary = run_job(spec_for(s3_server, ckpt, src, out_uri))
+
+    out = read_output(s3_server, out_uri)
+    assert_exactly_once(out, [r["id"] for r in rows])
+    assert out.schema.names[: len(ROW_SCHEMA)] == ROW_SCHEMA.names, "every input column kept"
+    by_id = {r["id"]: r for r in out.to_pylist()}
+    assert {r["id"]: r["n"] for r in rows} == {k: v["n"] for k, v in by_id.items()}
+    for rid, (_, field, kind) in bad.items():
+        got = by_id[rid]
+        assert got["error_kind"] == kind and got["error"].startswith(f"{field}: "), (rid, got["error"])
+        assert got["output_text"] is None and got["output_token_ids"] is None
+    assert_matches_reference(out, requests, reference)
+    assert summary["complete"] and summary["rows"] == len(rows) and summary["duplicates"] == 0
+    assert summary["output"]["errors_by_kind"] == {kind: 1 for _, _, kind in bad.values()}
+    assert summary["run"]["output_tokens"] == MAX_NEW * len(requests)
+    assert read_json(locate(out_uri, s3_server.s3_config).child("_summary.json")) == summary
+
+
+# ---------------- resume after an interrupted run ----------------
+
+class InterruptedDecoder(SpecDecoder):
+    """Fails the whole job (an application error, not a row error) on the block holding `trigger`, but only once
+    some output is on S3, so that the re-run has something to skip."""
+
+    trigger = "img-3-7"
+    output_uri = ""
+
+    def __call__(self, batch):
+        if self.trigger in batch.column("id").to_pylist():
+            loc = locate(self.output_uri, self.config.s3)
+            deadline = time.time() + 60
+            while not parquet_files(loc) and time.time() < deadline:
+                time.sleep(0.2)
+            raise RuntimeError("simulated interruption")
+        return super().__call__(batch)
+
+
+def test_resume_after_interrupted_run(s3_server, ray_cluster, ckpt, reference):
+    b = s3_server.new_bucket("resume")
+    rows, requests = image_rows(s3_server, b, 8, seed=3)
+    src = put_parquet(s3_server, b, "in/part-0.parquet", rows, ROW_SCHEMA)
+    out_uri = f"s3://{b}/out/"
+    spec = spec_for(s3_server, ckpt, src, out_uri)
+    InterruptedDecoder.output_uri = out_uri
+    with pytest.raises(Exception, match="simulated interruption"):
+        run_job(spec, decoder_cls=InterruptedDecoder)
+    first = read_output(s3_server, out_uri).column("id").to_pylist()
+    assert 0 < len(first) < len(rows) and len(set(first)) == len(first)
+
+    summary = run_job(spec)
+    out = read_output(s3_server, out_uri)
+    assert_exactly_once(out, [r["id"] for r in rows])
+    assert_matches_reference(out, requests, reference)
+    assert summary["complete"] and summary["skipped_already_done"] == len(first)
+    assert summary["run"]["rows"] == len(rows) - len(first)
+
+    again = run_job(spec)  # nothing left: no Ray work, same output
+    assert again["complete"] and again["run"]["rows"] == 0 and again["skipped_already_done"] == len(rows)
+    assert read_output(s3_server, out_uri).num_rows == len(rows)
+
+
+# ---------------- an actor process killed mid-job ----------------
+
+class CrashOnceDecoder(SpecDecoder):
+    """Kills its own process (no cleanup, like an OOM kill) on `victim`, the first time only (marker file)."""
+
+    victim = "img-5-4"
+    marker = ""
+
+    def generate(self, request, row_id=None):
+        if row_id == self.victim and not os.path.exists(self.marker):
+            with open(self.marker, "w") as f:
+                f.write(str(os.getpid()))
+            os._exit(1)
+        return super().generate(request, row_id)
+
+
+def test_actor_killed_mid_job_every_row_exactly_once(s3_server, ray_cluster, ckpt, reference, tmp_path):
+    b = s3_server.new_bucket("crash")
+    rows, requests = image_rows(s3_server, b, 7, seed=5)
+    src = put_parquet(s3_server, b, "in/part-0.parquet", rows, ROW_SCHEMA)
+    out_uri = f"s3://{b}/out/"
+    CrashOnceDecoder.marker = str(tmp_path / "crashed")
+
+    summary = run_job(spec_for(s3_server, ckpt, src, out_uri), decoder_cls=CrashOnceDecoder)
+
+    assert os.path.exists(CrashOnceDecoder.marker), "the actor really died"
+    out = read_output(s3_server, out_uri)
+    assert_exactly_once(out, [r["id"] for r in rows])
+    assert_matches_reference(out, requests, reference)
+    assert summary["complete"] and summary["output"]["errors"] == 0
+
+
+# ---------------- the Kinetics caption job: CSV + clip root on S3, through the job CLI ----------------
+
+def test_caption_kinetics_job_from_csv_on_s3(s3_server, ray_cluster, ckpt, reference):
+    b = s3_server.new_bucket("k400")
+    clips = {}
+    for i, (yid, start) in enumerate([("-3B32lodo2M", 59), ("_dbcJuKJQNs", 40)]):
+        data = encode_mp4(random_images(6, seed=20 + i), fps=6)
+        clips[f"{yid}_{start:06d}_{start + 10:06d}"] = data
+        s3_server.put(b, f"clips/val/{yid}_{start:06d}_{start + 10:06d}.mp4", data)
+    csv = ('label,youtube_id,time_start,time_end,split\n"air drumming",-3B32lodo2M,59,69,val\n'
+           'abseiling,_dbcJuKJQNs,40,50,val\nabseiling,noSuchClip0,5,15,val\n')
+    csv_uri = s3_server.put(b, "annotations/val.csv", csv.encode())
+    out_uri = f"s3://{b}/captions/"
+    rc = job_main(["--input", csv_uri, "--clip-root", f"s3://{b}/clips/val/", "--output", out_uri,
+                   "--target", ckpt, "--drafter", "ngram", "--num-actors", "1", "--max-new-tokens", str(MAX_NEW),
+                   "--num-frames", str(FRAMES), "--s3-endpoint", s3_server.endpoint_url, "--no-progress-bars"],
+                  "caption_kinetics")
+    assert rc == 0
+    out = {r["id"]: r for r in read_output(s3_server, out_uri).to_pylist()}
+    assert sorted(out) == sorted([*clips, "noSuchClip0_000005_000015"])
+    missing = out["noSuchClip0_000005_000015"]
+    assert missing["error_kind"] == "media.not_found" and missing["error"].startswith("video_uri: ")
+    assert out["-3B32lodo2M_000059_000069"]["label"] == "air drumming"
+    for rid, data in clips.items():
+        frames = tuple(load_video(data, num_frames=FRAMES).frames)
+        want = reference(Request(prompt="Describe what happens in the video.", videos=(frames,)))
+        assert out[rid]["output_token_ids"] == want and out[rid]["prompt"] == "Describe what happens in the video."

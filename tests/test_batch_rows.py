@@ -1,0 +1,237 @@
+"""Batch layer without Ray: row validation and media errors, SpecDecoder.decode == SpecEngine, output blocks,
+resume bookkeeping, summary, Kinetics CSV rows, job spec and flags."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from mmspec_ray.batch import DecodeConfig, JobSpec, SpecDecoder
+from mmspec_ray.batch.cli import build_parser, plan
+from mmspec_ray.batch.decoder import attach_outputs
+from mmspec_ray.batch.rows import OUTPUT_COLUMNS, OUTPUT_SCHEMA, RowError, prepare_row
+from mmspec_ray.batch.sources import kinetics_rows
+from mmspec_ray.batch.stages import keep_ids, prepare_block
+from mmspec_ray.batch.storage import check_ids, locate, scan_output
+from mmspec_ray.batch.summary import row_stats, summarize
+from mmspec_ray.config import S3Config, SamplingParams
+from mmspec_ray.drafters.base import load_drafter
+from mmspec_ray.media import load_image, load_video
+from mmspec_ray.spec.engine import SpecEngine
+from mmspec_ray.targets import Request, load_target
+from mmspec_ray.toy.clips import encode_mp4
+from tiny import random_images, tiny_llava
+
+MAX_NEW = 12
+LOCAL = S3Config(region="us-east-1")
+
+
+def png(img) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def corrupt_png() -> bytes:
+    """A real PNG with its pixel data zeroed in the middle."""
+    data = png(random_images(1, seed=11)[0])
+    return data[:100] + bytes(200) + data[300:]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llava")
+    model, processor = tiny_llava()
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def cfg(ckpt):
+    return DecodeConfig(target=ckpt, drafter="ngram", max_new_tokens=MAX_NEW, media={"num_frames": 4}, s3=LOCAL)
+
+
+@pytest.fixture(scope="module")
+def decoder(cfg):
+    return SpecDecoder(cfg)
+
+
+@pytest.fixture(scope="module")
+def clip_bytes():
+    return encode_mp4(random_images(8, seed=5), fps=8)
+
+
+# ---------------- rows ----------------
+
+def test_prepare_row_decodes_every_media_field(cfg, clip_bytes, tmp_path):
+    img = random_images(1, seed=3)[0]
+    (tmp_path / "a.png").write_bytes(png(img))
+    req = prepare_row({"id": "a", "prompt": "p", "image_uri": str(tmp_path / "a.png"), "video": clip_bytes}, cfg)
+    assert req.prompt == "p" and len(req.images) == 1 and len(req.videos) == 1 and len(req.videos[0]) == 4
+    assert req.images[0].tobytes() == img.tobytes()
+    two = prepare_row({"id": "b", "prompt": "p", "image": [png(img), png(img)]}, cfg)
+    assert len(two.images) == 2
+
+
+@pytest.mark.parametrize("row, field, kind", [
+    ({"prompt": None, "image": None}, "prompt", "null_field"),
+    ({"prompt": 3}, "prompt", "invalid"),
+    ({"image": None}, "prompt", "missing_field"),
+    ({"prompt": "p", "image": corrupt_png()}, "image", "media.corrupt"),
+    ({"prompt": "p", "image_uri": "/no/such/file.png"}, "image_uri", "media.not_found"),
+    ({"prompt": "p", "image": "/a/path.png"}, "image", "invalid"),
+    ({"prompt": "p", "image_uri": ""}, "image_uri", "invalid"),
+    ({"prompt": "p", "image": b"x", "image_uri": "/x.png"}, "image", "invalid"),
+    ({"prompt": "p", "image": [None]}, "image[0]", "null_field"),
+    ({"messages": "{not json"}, "messages", "invalid"),
+])
+def test_prepare_row_errors_name_the_field(cfg, row, field, kind):
+    with pytest.raises(RowError) as e:
+        prepare_row({"id": "x", **row}, cfg)
+    assert e.value.field == field and e.value.kind == kind
+    assert str(e.value).startswith(f"{field}: ")
+
+
+def test_truncated_clip_and_required_media(cfg, clip_bytes):
+    with pytest.raises(RowError) as e:
+        prepare_row({"id": "x", "prompt": "p", "video": clip_bytes[: len(clip_bytes) // 2]}, cfg)
+    assert (e.value.field, e.value.kind) == ("video", "media.truncated")
+    need_video = cfg.model_copy(update={"media": cfg.media.model_copy(update={"require": "video"})})
+    with pytest.raises(RowError) as e:
+        prepare_row({"id": "x", "prompt": "p", "video_uri": None}, need_video)
+    assert (e.value.field, e.value.kind) == ("video_uri", "null_field")
+    with pytest.raises(RowError) as e:
+        prepare_row({"id": "x", "prompt": "p"}, need_video)
+    assert e.value.kind == "missing_field"
+
+
+def test_default_prompt_and_messages(cfg):
+    with_default = cfg.model_copy(update={"default_prompt": "caption it"})
+    assert prepare_row({"id": "x"}, with_default).prompt == "caption it"
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    assert prepare_row({"id": "x", "messages": json.dumps(msgs)}, cfg).messages == msgs
+
+
+def test_sampling_seed_depends_only_on_seed_and_id(cfg):
+    hot = cfg.model_copy(update={"temperature": 0.7, "seed": 1})
+    assert hot.sampling_for("a") == hot.sampling_for("a") != hot.sampling_for("b")
+    assert cfg.sampling_for("a") == SamplingParams()
+
+
+# ---------------- decoder ----------------
+
+def test_decode_equals_spec_engine_for_that_row_alone(ckpt, decoder, clip_bytes):
+    target = load_target(ckpt)
+    engine = SpecEngine(target, load_drafter("ngram", target))
+    img = random_images(1, seed=7)[0]
+    cases = [
+        ({"id": "i", "prompt": "describe the image", "image": png(img)},
+         Request(prompt="describe the image", images=(load_image(png(img)),))),
+        ({"id": "v", "prompt": "what is happening", "video": clip_bytes},
+         Request(prompt="what is happening", videos=(tuple(load_video(clip_bytes, num_frames=4).frames),))),
+        ({"id": "t", "prompt": "red blue"}, Request(prompt="red blue")),
+    ]
+    for row, request in cases:
+        want = engine.generate(request, SamplingParams(), MAX_NEW)
+        got = decoder.decode(row)
+        assert got["error"] is None, got
+        assert got["output_token_ids"] == want.token_ids and got["output_text"] == want.text
+        assert got["num_output_tokens"] == MAX_NEW and got["finish_reason"] == "length"
+        assert got["decode_seconds"] > 0 and got["accepted_per_cycle"] >= 0
+
+
+def test_over_long_prompt_is_a_row_error(decoder):
+    out = decoder.decode({"id": "long", "prompt": "red " * 10_000})
+    assert out["error_kind"] == "too_long" and out["error"].startswith("prompt: too long")
+    assert out["output_text"] is None and set(out) == set(OUTPUT_COLUMNS)
+
+
+def test_call_on_raw_and_prepared_blocks(decoder, cfg):
+    img = png(random_images(1, seed=9)[0])
+    block = pa.Table.from_pylist([
+        {"id": "a", "prompt": "describe", "image": img, "extra": 1},
+        {"id": "b", "prompt": None, "image": img, "extra": 2},
+    ])
+    raw = decoder(block)
+    prepared = decoder(prepare_block(block, cfg))
+    for out in (raw, prepared):
+        assert out.column_names == block.column_names + list(OUTPUT_COLUMNS)
+        assert out.schema.field("output_token_ids").type == OUTPUT_SCHEMA.field("output_token_ids").type
+        assert out.column("extra").to_pylist() == [1, 2]
+        assert out.column("error_kind").to_pylist() == [None, "null_field"]
+    assert raw.column("output_token_ids").to_pylist() == prepared.column("output_token_ids").to_pylist()
+
+
+def test_all_error_block_keeps_types():
+    block = pa.table({"id": ["a"], "prompt": pa.array([None], pa.string())})
+    out = attach_outputs(block, [{c: None for c in OUTPUT_COLUMNS} | {"error": "prompt: is null"}])
+    assert out.schema.field("num_output_tokens").type == pa.int32()
+
+
+# ---------------- resume bookkeeping and summary ----------------
+
+def test_keep_ids_and_check_ids():
+    t = pa.table({"id": ["a", "b", "c"], "x": [1, 2, 3]})
+    assert keep_ids(t, pa.array(["c", "a"])).column("x").to_pylist() == [1, 3]
+    with pytest.raises(ValueError, match="null id"):
+        check_ids(pa.array(["a", None]), "in")
+    with pytest.raises(ValueError, match="duplicated ids"):
+        check_ids(pa.array(["a", "b", "a"]), "in")
+
+
+def test_scan_output_drops_torn_parts(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    pq.write_table(pa.table({"id": ["a", "b"], "v": [1, 2]}), out / "p0.parquet")
+    good = io.BytesIO()
+    pq.write_table(pa.table({"id": ["c"], "v": [3]}), good)
+    (out / "p1.parquet").write_bytes(good.getvalue()[:-20])  # a write cut off by a crash
+    (out / "_summary.json").write_text("{}")
+    state, table = scan_output(locate(str(out), LOCAL), ["v"])
+    assert sorted(state.ids.to_pylist()) == ["a", "b"] and table.column("v").to_pylist() == [1, 2]
+    assert [p.endswith("p1.parquet") for p in state.removed] == [True]
+    assert not (out / "p1.parquet").exists() and (out / "_summary.json").exists()
+
+
+def test_summary_counts():
+    out = pa.table({"id": ["a", "b", "c", "c"], "error_kind": [None, "media.corrupt", None, None],
+                    "num_output_tokens": pa.array([4, None, 6, 6], pa.int32()),
+                    "accepted_per_cycle": [1.0, None, 2.0, 2.0], "decode_seconds": [0.5, None, 0.5, 0.5]})
+    s = summarize(out, pa.array(["a", "b", "c", "d"]), pa.array(["b", "c"]), 2.0, {"input": "x"})
+    assert (s["rows"], s["rows_written"], s["duplicates"], s["missing"], s["complete"]) == (4, 4, 1, 1, False)
+    assert s["skipped_already_done"] == 2 and s["run"]["rows"] == 3 and s["run"]["output_tokens_per_s"] == 6.0
+    assert row_stats(out)["errors_by_kind"] == {"media.corrupt": 1}
+
+
+# ---------------- inputs, spec, flags ----------------
+
+def test_kinetics_csv_rows(tmp_path):
+    csv = tmp_path / "val.csv"
+    csv.write_text('label,youtube_id,time_start,time_end,split\n"air drumming",-3B32lodo2M,59,69,val\n'
+                   "abseiling,0123456789,5,15,val\n")
+    t = kinetics_rows(str(csv), str(tmp_path / "clips"), "Describe.", LOCAL)
+    assert t.column("id").to_pylist() == ["-3B32lodo2M_000059_000069", "0123456789_000005_000015"]
+    assert t.column("video_uri")[1].as_py() == str(tmp_path / "clips" / "0123456789_000005_000015.mp4")
+    assert t.column("label").to_pylist() == ["air drumming", "abseiling"] and t.column("prompt")[0].as_py() == "Describe."
+
+
+def test_job_spec_yaml_and_flags(tmp_path, ckpt):
+    (tmp_path / "job.yaml").write_text(
+        f"input: {tmp_path}/in.parquet\noutput: s3://b/out/\ndecode:\n  target: {ckpt}\n  max_new_tokens: 7\n")
+    spec = JobSpec.from_yaml(tmp_path / "job.yaml", num_actors=2)
+    assert spec.num_actors == 2 and spec.decode.max_new_tokens == 7 and spec.decode.drafter == "ngram"
+    args = build_parser("instruct").parse_args(
+        ["--config", str(tmp_path / "job.yaml"), "--temperature", "0.5", "--gpus-per-actor", "1", "--limit", "3",
+         "--s3-endpoint", "http://127.0.0.1:9000", "--drafter", "none"])
+    spec, table = plan("instruct", args)
+    assert table is None and spec.limit == 3 and spec.gpus_per_actor == 1
+    d = spec.decode
+    assert (d.temperature, d.max_new_tokens, d.drafter, d.media.require) == (0.5, 7, "none", "image")
+    assert (d.s3.endpoint_override, d.s3.scheme) == ("127.0.0.1:9000", "http")
+    with pytest.raises(ValueError):
+        JobSpec.model_validate({"input": "a", "output": "b", "decode": {"target": ckpt}, "bogus": 1})
