@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib
 import itertools
 from collections import Counter
 
@@ -19,18 +18,10 @@ from mmspec_ray.spec.engine import AREngine, SpecEngine
 from mmspec_ray.spec.sampling import warp
 from mmspec_ray.spec.tree import DraftTree, TreeConfig, depths
 from mmspec_ray.targets import Request, wrap
+from families import FAMILIES, build_target  # a family whose builder module is absent is reported, not hidden
 from test_spec_accept import chi2_critical, chi2_stat
 from tiny import random_images
 
-# family -> (test helper module, builder); a family whose builder module is absent is reported, not hidden
-FAMILIES = {
-    "llava": ("tiny", "tiny_llava"),
-    "llava_next": ("tiny_llava_next", "tiny_llava_next"),
-    "llava_onevision": ("tiny_llava_onevision", "tiny_llava_onevision"),
-    "qwen2_5_vl": ("tiny_qwen2_5_vl", "tiny_qwen2_5_vl"),
-    "idefics3": ("tiny_idefics3", "tiny_idefics3"),
-    "gemma3": ("tiny_gemma3", "tiny_gemma3"),
-}
 VIDEO_FAMILIES = {"llava", "llava_onevision", "qwen2_5_vl"}
 TREE = TreeConfig(top_k=4, depth=4, total_tokens=20)
 
@@ -71,19 +62,10 @@ class PerturbedOracle:
         self.pos += len(tokens)
 
 
-def build(family: str):
-    mod, fn = FAMILIES[family]
-    try:
-        m = importlib.import_module(mod)
-    except ModuleNotFoundError:
-        pytest.fail(f"no tiny builder for family {family} (tests/{mod}.py)")
-    return wrap(*getattr(m, fn)())
-
-
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family_target(request):
     torch.manual_seed(0)
-    return request.param, build(request.param)
+    return request.param, build_target(request.param)
 
 
 def requests_for(family: str) -> dict[str, Request]:

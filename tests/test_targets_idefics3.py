@@ -1,5 +1,5 @@
-"""Idefics3 / SmolVLM family on a tiny random-init Idefics3: tree verify, commit, AR == HF generate, media mask,
-image splitting, and the clear refusal of clips (Idefics3 has no video input)."""
+"""Idefics3 / SmolVLM family on a tiny random-init Idefics3: media mask, image splitting, and the clear refusal of
+clips (Idefics3 has no video input). The target contract runs for every family in test_target_contract.py."""
 
 from __future__ import annotations
 
@@ -8,56 +8,23 @@ import torch
 
 from mmspec_ray.targets import Request, TargetError, families, wrap
 from mmspec_ray.targets.idefics3 import Idefics3Target
-from target_checks import check_ar_equals_hf, check_commit_then_continue, check_verify_matches_paths
+from families import FAMILIES, build_target
 from tiny import random_images
-from tiny_idefics3 import ROW_COL, TOKENS_PER_SUB_IMAGE, tiny_idefics3
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads; on shared cores 2 OpenMP threads make each op 40x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from tiny_idefics3 import ROW_COL, TOKENS_PER_SUB_IMAGE
 
 
 @pytest.fixture(scope="module")
 def target():
-    return wrap(*tiny_idefics3())
+    return build_target("idefics3")
 
 
-SQUARE = random_images(1, seed=1)[0]  # 96x96 -> 64x64 -> 2x2 tiles + global view
-WIDE = random_images(1, seed=2)[0].resize((96, 48))  # -> 64x32 -> 1x2 tiles + global view
-
-REQUESTS = {
-    "text": Request(prompt="describe the image"),
-    "image": Request(prompt="describe the image", images=(SQUARE,)),
-    "two_images": Request(prompt="what is there", images=(SQUARE, WIDE)),
-}
+REQUESTS = FAMILIES["idefics3"].requests
+SQUARE, WIDE = REQUESTS["two_images"].images  # 96x96 -> 2x2 tiles + global view; 96x48 -> 1x2 tiles + global view
 
 
 def test_registry_picks_idefics3(target):
     assert isinstance(target, Idefics3Target)
     assert families()["idefics3"] is Idefics3Target
-
-
-@pytest.mark.parametrize("name", list(REQUESTS))
-def test_verify_tree_matches_each_path(target, name):
-    for seed in range(3):
-        check_verify_matches_paths(target, REQUESTS[name], n=14, seed=seed)
-
-
-@pytest.mark.parametrize("name", list(REQUESTS))
-def test_ar_equals_hf_generate_and_is_varied(target, name):
-    ids = check_ar_equals_hf(target, REQUESTS[name], max_new_tokens=32)
-    assert len(set(ids)) >= 8, ids
-
-
-@pytest.mark.parametrize("name", list(REQUESTS))
-def test_commit_then_continue(target, name):
-    check_commit_then_continue(target, REQUESTS[name], steps=16)
-
 
 def test_images_are_split_and_media_mask_counts_image_tokens(target):
     t = wrap(target.model, target.processor, feature_layers=(1,))

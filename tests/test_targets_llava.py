@@ -1,43 +1,21 @@
-"""LLaVA family (and the AR engine) on a tiny random-init LLaVA: tree verify, commit, AR == HF generate."""
+"""LLaVA family on a tiny random-init LLaVA: media accounting, features, clear errors. The target contract (tree
+verify, AR == HF generate, commit) runs for every family in test_target_contract.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mmspec_ray.targets import Request, TargetError, wrap
-from target_checks import check_ar_equals_hf, check_commit_then_continue, check_verify_matches_paths
-from tiny import random_images, tiny_llava
+from mmspec_ray.targets import TargetError, wrap
+from families import FAMILIES, build_target
 
 
 @pytest.fixture(scope="module")
 def target():
-    return wrap(*tiny_llava())
+    return build_target("llava")
 
 
-REQUESTS = {
-    "text": Request(prompt="describe the image"),
-    "image": Request(prompt="describe the image", images=tuple(random_images(1, seed=1))),
-    "two_images": Request(prompt="what is there", images=tuple(random_images(2, seed=2))),
-    "video": Request(prompt="what is happening", videos=(tuple(random_images(4, seed=3)),)),
-}
-
-
-@pytest.mark.parametrize("name", list(REQUESTS))
-def test_verify_tree_matches_each_path(target, name):
-    for seed in range(3):
-        check_verify_matches_paths(target, REQUESTS[name], n=14, seed=seed)
-
-
-@pytest.mark.parametrize("name", list(REQUESTS))
-def test_ar_equals_hf_generate_and_is_varied(target, name):
-    ids = check_ar_equals_hf(target, REQUESTS[name], max_new_tokens=32)
-    assert len(set(ids)) >= 8, ids
-
-
-@pytest.mark.parametrize("name", ["image", "video"])
-def test_commit_then_continue(target, name):
-    check_commit_then_continue(target, REQUESTS[name], steps=16)
+REQUESTS = FAMILIES["llava"].requests
 
 
 def test_prefill_reports_media_mask_and_features(target):

@@ -1,4 +1,5 @@
-"""LLaVA-NeXT family on a tiny random-init anyres model: tree verify, commit, AR == HF generate, media accounting.
+"""LLaVA-NeXT family on a tiny random-init anyres model: media accounting and request handling (the target contract
+runs for every family in test_target_contract.py).
 
 A clip is sent as its frames (each frame one anyres image); the tests pin that down.
 """
@@ -10,67 +11,29 @@ import torch
 
 from mmspec_ray.targets import Request, TargetError, wrap
 from mmspec_ray.targets.llava_next import LlavaNextTarget
-from target_checks import check_ar_equals_hf, check_commit_then_continue, check_verify_matches_paths
-from tiny import random_images
-from tiny_llava_next import PATCH, PINPOINTS, TILE, random_image, tiny_llava_next
+from families import FAMILIES, build_target
+from tiny import anyres_grid, random_images
+from tiny_llava_next import PATCH, PINPOINTS, TILE
 
 
 @pytest.fixture(scope="module")
 def target():
-    return wrap(*tiny_llava_next())
+    return build_target("llava_next")
 
 
-WIDE = random_image(96, 60, seed=5)  # 8x8 grid of patch rows/cols, unpadded to 6 rows
-FRAMES = tuple(random_images(3, seed=3))
-
-REQUESTS = {
-    "text": Request(prompt="describe the image"),
-    "image": Request(prompt="describe the image", images=tuple(random_images(1, seed=1))),
-    "two_images": Request(prompt="what is there", images=(WIDE, random_images(1, seed=2)[0])),
-    "video": Request(prompt="what is happening", videos=(FRAMES,)),
-}
+REQUESTS = FAMILIES["llava_next"].requests  # two_images: a 96x60 image (8x8 grid, unpadded to 6 rows), a square
+FRAMES = REQUESTS["video"].videos[0]
 
 
 def expected_image_tokens(width: int, height: int) -> int:
     """Anyres token count worked out by hand: base tile + unpadded grid + one newline per grid row (no CLS)."""
     side = TILE // PATCH
-    best, best_key = None, None
-    for ph, pw in PINPOINTS:  # the pinpoint keeping the most pixels, then wasting the least
-        scale = min(pw / width, ph / height)
-        eff = min(int(width * scale) * int(height * scale), width * height)
-        key = (eff, -(ph * pw - eff))
-        if best_key is None or key > best_key:
-            best, best_key = (ph, pw), key
-    rows, cols = best[0] // TILE * side, best[1] // TILE * side
-    if width / height > cols / rows:
-        new_rows = int(round(height * cols / width, 7))
-        rows -= (rows - new_rows) // 2 * 2
-    else:
-        new_cols = int(round(width * rows / height, 7))
-        cols -= (cols - new_cols) // 2 * 2
+    rows, cols = anyres_grid(width, height, PINPOINTS, TILE, PATCH)
     return side * side + rows * cols + rows
 
 
 def test_registry_picks_llava_next(target):
     assert type(target) is LlavaNextTarget
-
-
-@pytest.mark.parametrize("name", list(REQUESTS))
-def test_verify_tree_matches_each_path(target, name):
-    for seed in range(3):
-        check_verify_matches_paths(target, REQUESTS[name], n=14, seed=seed)
-
-
-@pytest.mark.parametrize("name", list(REQUESTS))
-def test_ar_equals_hf_generate_and_is_varied(target, name):
-    ids = check_ar_equals_hf(target, REQUESTS[name], max_new_tokens=32)
-    assert len(set(ids)) >= 8, ids
-
-
-@pytest.mark.parametrize("name", ["image", "two_images", "video"])
-def test_commit_then_continue(target, name):
-    check_commit_then_continue(target, REQUESTS[name], steps=16)
-
 
 def test_media_mask_counts_anyres_tokens(target):
     t = wrap(target.model, target.processor, feature_layers=(1,))

@@ -1,4 +1,5 @@
-"""LLaVA-OneVision family on a tiny random-init model: tree verify, commit, AR == HF generate, media accounting.
+"""LLaVA-OneVision family on a tiny random-init model: media accounting and request handling (the target contract
+runs for every family in test_target_contract.py).
 
 Covers OneVision's three visual regimes: one anyres image, several base-view images, and native video.
 """
@@ -13,44 +14,26 @@ import torch
 
 from mmspec_ray.targets import Request, TargetError, wrap
 from mmspec_ray.targets.llava_onevision import LlavaOnevisionTarget
-from target_checks import check_ar_equals_hf, check_commit_then_continue, check_verify_matches_paths
-from tiny import random_images
-from tiny_llava_onevision import ASPECT, PATCH, PINPOINTS, TILE, VIDEO, random_image, tiny_llava_onevision
+from families import FAMILIES, build_target
+from tiny import anyres_grid
+from tiny_llava_onevision import ASPECT, PATCH, PINPOINTS, TILE, VIDEO
 
 
 @pytest.fixture(scope="module")
 def target():
-    return wrap(*tiny_llava_onevision())
+    return build_target("llava_onevision")
 
 
-WIDE = random_image(96, 60, seed=5)
-SQUARE = random_images(1, seed=2)[0]
-CLIP = tuple(random_images(4, seed=3))
-
-REQUESTS = {
-    "text": Request(prompt="describe the image"),
-    "image": Request(prompt="describe the image", images=(WIDE,)),
-    "two_images": Request(prompt="what is there", images=(SQUARE, WIDE)),
-    "video": Request(prompt="what is happening", videos=(CLIP,)),
-}
+REQUESTS = FAMILIES["llava_onevision"].requests
+SQUARE, WIDE = REQUESTS["two_images"].images  # 96x96 and 96x60; the "image" request is WIDE alone
+CLIP = REQUESTS["video"].videos[0]
 
 
 def expected_single_image_tokens(width: int, height: int) -> int:
     """Anyres tokens for a lone image, worked out by hand: base tile + unpadded grid (shrunk to the anyres_max
     budget) + one newline per grid row."""
     side = TILE // PATCH
-    best, best_key = None, None
-    for ph, pw in PINPOINTS:  # the pinpoint keeping the most pixels, then wasting the least
-        scale = min(pw / width, ph / height)
-        eff = min(int(width * scale) * int(height * scale), width * height)
-        key = (eff, -(ph * pw - eff))
-        if best_key is None or key > best_key:
-            best, best_key = (ph, pw), key
-    rows, cols = best[0] // TILE * side, best[1] // TILE * side
-    if width / height > cols / rows:
-        rows -= (rows - int(round(height * cols / width, 7))) // 2 * 2
-    else:
-        cols -= (cols - int(round(width * rows / height, 7))) // 2 * 2
+    rows, cols = anyres_grid(width, height, PINPOINTS, TILE, PATCH)
     ratio = math.sqrt(rows * cols / (int(ASPECT.removeprefix("anyres_max_")) * side * side))
     if ratio > 1.1:
         rows, cols = int(rows // ratio), int(cols // ratio)
@@ -60,24 +43,6 @@ def expected_single_image_tokens(width: int, height: int) -> int:
 def test_registry_picks_llava_onevision(target):
     assert type(target) is LlavaOnevisionTarget
     assert target.takes_video and not target.video_as_frames
-
-
-@pytest.mark.parametrize("name", list(REQUESTS))
-def test_verify_tree_matches_each_path(target, name):
-    for seed in range(3):
-        check_verify_matches_paths(target, REQUESTS[name], n=14, seed=seed)
-
-
-@pytest.mark.parametrize("name", list(REQUESTS))
-def test_ar_equals_hf_generate_and_is_varied(target, name):
-    ids = check_ar_equals_hf(target, REQUESTS[name], max_new_tokens=32)
-    assert len(set(ids)) >= 8, ids
-
-
-@pytest.mark.parametrize("name", ["image", "two_images", "video"])
-def test_commit_then_continue(target, name):
-    check_commit_then_continue(target, REQUESTS[name], steps=16)
-
 
 def test_media_mask_counts_image_and_video_tokens(target):
     t = wrap(target.model, target.processor, feature_layers=(1,))

@@ -1,5 +1,5 @@
-"""Qwen2.5-VL family on a tiny random-init model: tree verify under 3-axis M-RoPE, commit, AR == HF generate,
-rope-delta bookkeeping, media mask and request checks."""
+"""Qwen2.5-VL family on a tiny random-init model: 3-axis M-RoPE positions and rope-delta bookkeeping, media mask
+and request checks (the target contract runs for every family in test_target_contract.py)."""
 
 from __future__ import annotations
 
@@ -9,57 +9,23 @@ from PIL import Image
 
 from mmspec_ray.targets import Request, TargetError, wrap
 from mmspec_ray.targets.qwen2_5_vl import Qwen25VLTarget
-from target_checks import check_ar_equals_hf, check_commit_then_continue, check_verify_matches_paths
+from families import FAMILIES, build_target
 from tiny import random_images
-from tiny_qwen2_5_vl import tiny_qwen2_5_vl
 
 TOKENS_PER_IMAGE = 9  # 96 px -> 48 px -> 6x6 patches of 8 px -> 3x3 after the 2x2 merge
 TOKENS_PER_CLIP = 18  # 4 frames -> 2 temporal patches x 3x3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Run this module's tiny matmuls on one intra-op thread: on 2 shared cores, thread hand-offs cost more than
-    the arithmetic (about 13 s vs 35 s for this file under load). Restored for the modules after this one."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def target():
-    return wrap(*tiny_qwen2_5_vl())
+    return build_target("qwen2_5_vl")
 
 
-REQUESTS = {
-    "text": Request(prompt="describe the image"),
-    "image": Request(prompt="describe the image", images=tuple(random_images(1, seed=1))),
-    "two_images": Request(prompt="what is there", images=tuple(random_images(2, seed=2))),
-    "video": Request(prompt="what is happening", videos=(tuple(random_images(4, seed=3)),)),
-}
+REQUESTS = FAMILIES["qwen2_5_vl"].requests
 
 
 def test_registry_picks_the_qwen_adapter(target):
     assert type(target) is Qwen25VLTarget and target.takes_video
-
-
-@pytest.mark.parametrize("name", list(REQUESTS))
-def test_verify_tree_matches_each_path(target, name):
-    for seed in range(3):
-        check_verify_matches_paths(target, REQUESTS[name], n=14, seed=seed)
-
-
-@pytest.mark.parametrize("name", list(REQUESTS))
-def test_ar_equals_hf_generate_and_is_varied(target, name):
-    ids = check_ar_equals_hf(target, REQUESTS[name], max_new_tokens=32)
-    assert len(set(ids)) >= 8, ids
-
-
-@pytest.mark.parametrize("name", list(REQUESTS))
-def test_commit_then_continue(target, name):
-    check_commit_then_continue(target, REQUESTS[name], steps=16)
-
 
 @pytest.mark.parametrize("name", list(REQUESTS))
 def test_prefill_position_is_hf_rope_index(target, name):

@@ -10,7 +10,6 @@ All weights use the large `init` std except the tied token embedding (`EMBED_STD
 from __future__ import annotations
 
 import torch
-from tokenizers import Tokenizer
 from transformers import (
     Gemma3Config,
     Gemma3ForConditionalGeneration,
@@ -21,7 +20,7 @@ from transformers import (
     SiglipVisionConfig,
 )
 
-from tiny import mute_eos, tiny_tokenizer
+from tiny import mute_eos, seeded_model, tiny_fast_tokenizer
 
 BOS, EOS, PAD = "<bos>", "<eos>", "<pad>"
 SOT, EOT = "<start_of_turn>", "<end_of_turn>"
@@ -53,18 +52,10 @@ CHAT_TEMPLATE = (
 
 def gemma3_tokenizer() -> PreTrainedTokenizerFast:
     """A fresh copy of the shared tiny BPE (never mutate the cached one) with Gemma3's special tokens."""
-    backend = Tokenizer.from_str(tiny_tokenizer().backend_tokenizer.to_str())
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        extra_special_tokens={"boi_token": BOI, "eoi_token": EOI, "image_token": IMAGE},
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=4096,
-    )
-    tok.add_tokens([BOS, EOS, PAD, SOT, EOT, BOI, EOI, IMAGE], special_tokens=True)
-    return tok
+    return tiny_fast_tokenizer([BOS, EOS, PAD, SOT, EOT, BOI, EOI, IMAGE], bos_token=BOS, eos_token=EOS,
+                               pad_token=PAD, extra_special_tokens={"boi_token": BOI, "eoi_token": EOI,
+                                                                    "image_token": IMAGE},
+                               chat_template=CHAT_TEMPLATE)
 
 
 def build_processor(tok: PreTrainedTokenizerFast) -> Gemma3Processor:
@@ -90,10 +81,7 @@ def tiny_gemma3(seed: int = 0, init: float = 0.5):
     config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=TOKENS_PER_IMAGE,
                           boi_token_index=ids(BOI), eoi_token_index=ids(EOI), image_token_index=ids(IMAGE),
                           initializer_range=init)
-    torch.manual_seed(seed)
-    model = Gemma3ForConditionalGeneration(config)
-    torch.manual_seed(seed)
-    model.apply(model._init_weights)  # re-init with the larger range
+    model = seeded_model(Gemma3ForConditionalGeneration, config, seed)
     with torch.no_grad():
         # Gemma3 zero-inits the image projection, which would make every image look the same.
         model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, init)

@@ -7,8 +7,6 @@ so a square image becomes 2x2 tiles + global = 20 image tokens, a 2:1 image 1x2 
 
 from __future__ import annotations
 
-import torch
-from tokenizers import Tokenizer
 from transformers import (
     Idefics3Config,
     Idefics3ForConditionalGeneration,
@@ -19,7 +17,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from tiny import mute_eos, tiny_tokenizer
+from tiny import mute_eos, seeded_model, tiny_fast_tokenizer
 
 IMAGE, FAKE, GLOBAL, EOU = "<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"
 ROW_COL = [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
@@ -50,17 +48,8 @@ CHAT_TEMPLATE = (
 
 def idefics3_tokenizer() -> PreTrainedTokenizerFast:
     """A fresh copy of the shared tiny BPE (never mutate the cached one) with Idefics3's special tokens."""
-    backend = Tokenizer.from_str(tiny_tokenizer().backend_tokenizer.to_str())
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        eos_token=EOU,
-        pad_token="<|endoftext|>",
-        extra_special_tokens={"image_token": IMAGE},
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=4096,
-    )
-    tok.add_tokens([FAKE, GLOBAL, EOU, *ROW_COL], special_tokens=True)
-    return tok
+    return tiny_fast_tokenizer([FAKE, GLOBAL, EOU, *ROW_COL], eos_token=EOU, pad_token="<|endoftext|>",
+                               extra_special_tokens={"image_token": IMAGE}, chat_template=CHAT_TEMPLATE)
 
 
 def build_processor(tok: PreTrainedTokenizerFast) -> Idefics3Processor:
@@ -93,9 +82,6 @@ def tiny_idefics3(seed: int = 0, init: float = 0.2):
     config = Idefics3Config(vision_config=vision, text_config=text, scale_factor=SCALE,
                             image_token_id=tok.convert_tokens_to_ids(IMAGE), pad_token_id=tok.pad_token_id)
     config.initializer_range = init  # the composite model's _init_weights reads the top-level config
-    torch.manual_seed(seed)
-    model = Idefics3ForConditionalGeneration(config)
-    torch.manual_seed(seed)
-    model.apply(model._init_weights)  # re-init with the larger range
+    model = seeded_model(Idefics3ForConditionalGeneration, config, seed)
     mute_eos(model, tok.eos_token_id)
     return model.eval(), processor

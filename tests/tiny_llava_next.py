@@ -11,9 +11,6 @@ the same noise is <= 4e-5 and greedy output is still varied (20+ distinct tokens
 
 from __future__ import annotations
 
-import numpy as np
-import torch
-from PIL import Image
 from transformers import (
     CLIPVisionConfig,
     LlamaConfig,
@@ -23,7 +20,7 @@ from transformers import (
     LlavaNextProcessor,
 )
 
-from tiny import mute_eos, tiny_tokenizer
+from tiny import anyres_decoder, ready, seeded_model, tiny_tokenizer
 
 TILE = 32  # vision tower input size (one anyres tile)
 PATCH = 8
@@ -68,28 +65,13 @@ def build_model(seed: int = 0, init: float = 0.3) -> LlavaNextForConditionalGene
     tok = tiny_tokenizer()
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                               image_size=TILE, patch_size=PATCH, projection_dim=32, initializer_range=init)
-    text = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
-                       tie_word_embeddings=False, initializer_range=init)
+    text = LlamaConfig(**anyres_decoder(tok, init))
     config = LlavaNextConfig(vision_config=vision, text_config=text, image_token_index=tok.image_token_id,
                              vision_feature_layer=-1, vision_feature_select_strategy="default",
                              image_grid_pinpoints=PINPOINTS, image_seq_length=(TILE // PATCH) ** 2)
-    torch.manual_seed(seed)
-    model = LlavaNextForConditionalGeneration(config)
-    torch.manual_seed(seed)
-    model.apply(model._init_weights)  # re-init with the larger range
-    mute_eos(model, tok.eos_token_id)
-    model.generation_config.pad_token_id = tok.pad_token_id
-    return model.eval()
+    return ready(seeded_model(LlavaNextForConditionalGeneration, config, seed), tok)
 
 
 def tiny_llava_next(seed: int = 0, init: float = 0.3):
     """(model, processor) for the tiny LLaVA-NeXT."""
     return build_model(seed, init), build_processor()
-
-
-def random_image(width: int, height: int, seed: int = 0) -> Image.Image:
-    """One random RGB image of any aspect ratio (anyres unpadding depends on it)."""
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))

@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 
 import numpy as np
-import torch
 from PIL import Image
 from transformers import (
     BatchFeature,
@@ -36,7 +35,7 @@ from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from transformers.video_processing_utils import VideoProcessorMixin
 from transformers.video_utils import make_batched_videos
 
-from tiny import mute_eos, tiny_tokenizer
+from tiny import VideoProcessorTypeCheck, anyres_decoder, ready, seeded_model, tiny_tokenizer
 
 TILE = 32  # vision tower input size (one anyres tile, one video frame)
 PATCH = 8
@@ -83,15 +82,8 @@ class TinyVideoProcessor(VideoProcessorMixin):
         return BatchFeature({"pixel_values_videos": out}, tensor_type=return_tensors)
 
 
-class TinyOnevisionProcessor(LlavaOnevisionProcessor):
+class TinyOnevisionProcessor(VideoProcessorTypeCheck, LlavaOnevisionProcessor):
     """Stock LlavaOnevisionProcessor whose `video_processor` type check works without torchvision (see above)."""
-
-    def check_argument_for_proper_class(self, argument_name, argument):
-        if argument_name == "video_processor":
-            if not isinstance(argument, VideoProcessorMixin):
-                raise TypeError(f"video_processor must be a VideoProcessorMixin, got {type(argument).__name__}")
-            return VideoProcessorMixin
-        return super().check_argument_for_proper_class(argument_name, argument)
 
 
 def onevision_tokenizer():
@@ -126,29 +118,14 @@ def build_model(seed: int = 0, init: float = 0.3) -> LlavaOnevisionForConditiona
     tok = onevision_tokenizer()
     vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                 image_size=TILE, patch_size=PATCH, vision_use_head=False, initializer_range=init)
-    text = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
-                       tie_word_embeddings=False, initializer_range=init)
+    text = Qwen2Config(**anyres_decoder(tok, init))
     config = LlavaOnevisionConfig(vision_config=vision, text_config=text, image_token_index=tok.image_token_id,
                                   video_token_index=tok.convert_tokens_to_ids(VIDEO), vision_feature_layer=-1,
                                   vision_feature_select_strategy="full", image_grid_pinpoints=PINPOINTS,
                                   vision_aspect_ratio=ASPECT)
-    torch.manual_seed(seed)
-    model = LlavaOnevisionForConditionalGeneration(config)
-    torch.manual_seed(seed)
-    model.apply(model._init_weights)  # re-init with the larger range
-    mute_eos(model, tok.eos_token_id)
-    model.generation_config.pad_token_id = tok.pad_token_id
-    return model.eval()
+    return ready(seeded_model(LlavaOnevisionForConditionalGeneration, config, seed), tok)
 
 
 def tiny_llava_onevision(seed: int = 0, init: float = 0.3):
     """(model, processor) for the tiny LLaVA-OneVision."""
     return build_model(seed, init), build_processor()
-
-
-def random_image(width: int, height: int, seed: int = 0) -> Image.Image:
-    """One random RGB image of any aspect ratio."""
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))

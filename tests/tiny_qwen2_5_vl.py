@@ -30,7 +30,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 from transformers.video_processing_utils import VideoProcessorMixin
 from transformers.video_utils import make_batched_metadata, make_batched_videos
 
-from tiny import WORDS, mute_eos
+from tiny import VideoProcessorTypeCheck, mute_eos, tiny_corpus
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"
@@ -59,14 +59,12 @@ CHAT_TEMPLATE = (
 @lru_cache(maxsize=1)
 def tiny_qwen_tokenizer() -> PreTrainedTokenizerFast:
     """Byte-level BPE over the tiny test vocabulary, with Qwen's special tokens first (ids 0..6)."""
-    rng = np.random.default_rng(0)
-    texts = [" ".join(rng.choice(WORDS, size=12)) for _ in range(400)] + ["user\nassistant\n"] * 20
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts, trainer=trainer)
+    tok.train_from_iterator(tiny_corpus(), trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=ENDOFTEXT,
                                    chat_template=CHAT_TEMPLATE, padding_side="left", model_max_length=4096)
 
@@ -118,16 +116,8 @@ class TinyQwenVideoProcessor(VideoProcessorMixin):
         return x.reshape(gt * gh * gw, c * tp * p * p), [gt, gh, gw]
 
 
-class TinyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
-    """The stock processor, but accepting a video processor while torchvision is absent: transformers then does not
-    export `VideoProcessorMixin` at top level, so the stock class check cannot even look the base class up."""
-
-    def check_argument_for_proper_class(self, argument_name, argument):
-        if argument_name == "video_processor":
-            if not isinstance(argument, VideoProcessorMixin):
-                raise TypeError(f"video_processor must be a VideoProcessorMixin, got {type(argument).__name__}")
-            return VideoProcessorMixin
-        return super().check_argument_for_proper_class(argument_name, argument)
+class TinyQwen2_5_VLProcessor(VideoProcessorTypeCheck, Qwen2_5_VLProcessor):
+    """The stock processor, accepting a video processor while torchvision is absent (see VideoProcessorTypeCheck)."""
 
 
 def tiny_qwen2_5_vl_processor() -> Qwen2_5_VLProcessor:

@@ -1,0 +1,52 @@
+"""The target contract, for every family and each of its standard requests (tests/families.py): verify(tree) ==
+each root-to-leaf path run alone, AREngine greedy == HF generate with varied output, commit-then-continue ==
+an uninterrupted greedy run. The checks live in tests/target_checks.py; family-specific tests stay in
+tests/test_targets_<family>.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from families import FAMILIES, build_target
+from target_checks import check_ar_equals_hf, check_commit_then_continue, check_verify_matches_paths
+
+ALL = [(f.name, r) for f in FAMILIES.values() for r in f.requests]
+COMMIT = [(f.name, r) for f in FAMILIES.values() for r in f.commit_on]
+
+
+def _ids(cases):
+    return [f"{family}-{name}" for family, name in cases]
+
+
+@pytest.fixture(scope="module")
+def targets():
+    """family -> its wrapped tiny target, built on first use and shared by this module's tests (as each family
+    module shares one target)."""
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            built[family] = build_target(family)
+        return built[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family,name", ALL, ids=_ids(ALL))
+def test_verify_tree_matches_each_path(targets, family, name):
+    f = FAMILIES[family]
+    for seed in f.verify_seeds:
+        check_verify_matches_paths(targets(family), f.requests[name], n=f.verify_nodes, seed=seed)
+
+
+@pytest.mark.parametrize("family,name", ALL, ids=_ids(ALL))
+def test_ar_equals_hf_generate_and_is_varied(targets, family, name):
+    f = FAMILIES[family]
+    ids = check_ar_equals_hf(targets(family), f.requests[name], max_new_tokens=f.ar_new_tokens)
+    assert len(set(ids)) >= f.ar_min_distinct, ids
+
+
+@pytest.mark.parametrize("family,name", COMMIT, ids=_ids(COMMIT))
+def test_commit_then_continue(targets, family, name):
+    f = FAMILIES[family]
+    check_commit_then_continue(targets(family), f.requests[name], steps=f.commit_steps)
