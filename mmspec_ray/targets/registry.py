@@ -65,9 +65,36 @@ def load_target(path_or_uri: str | Path, device: str = "cpu", dtype: torch.dtype
 
     path = fetch_checkpoint(str(path_or_uri), s3)
     check_checkpoint(path)
-    processor = AutoProcessor.from_pretrained(path)
+    # Unsupported families fail here, before any weights are read (AutoModel's own error is a list of 100 classes).
+    model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    if model_type not in families():
+        raise TargetError(f"checkpoint {path} has model_type {model_type!r}, which has no target adapter; "
+                          f"supported: {sorted(families())}")
+    try:
+        processor = AutoProcessor.from_pretrained(path)
+    except Exception as e:  # ImportError / OSError / ValueError, depending on which sub-processor failed
+        hint = (" (its video processor needs torchvision: install the torchvision build matching torch)"
+                if "torchvision" in str(e).lower() else "")
+        raise TargetError(f"cannot load the {model_type} processor saved in {path}{hint}: "
+                          f"{type(e).__name__}: {str(e).strip()}") from e
+    if getattr(processor, "image_processor", None) is None:
+        # AutoProcessor quietly falls back to the bare tokenizer when processor_config.json names a class that
+        # transformers does not know; images would then be dropped without an error.
+        pc = _processor_class(path)
+        why = f"processor_class {pc!r} is not a transformers class" if pc else "no processor class is saved"
+        raise TargetError(f"checkpoint {path}: AutoProcessor loaded only a {type(processor).__name__}, not a "
+                          f"multimodal processor ({why}); save the stock processor next to the model "
+                          "(processor.save_pretrained)")
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype or torch.float32).to(device)
     return wrap(model, processor, feature_layers)
+
+
+def _processor_class(path: Path) -> str | None:
+    for name in ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json"):
+        f = path / name
+        if f.exists() and (cls := json.loads(f.read_text()).get("processor_class")):
+            return cls
+    return None
 
 
 def check_checkpoint(path: Path) -> None:
@@ -109,7 +136,7 @@ def fetch_checkpoint(uri: str, s3: S3Config | None = None) -> Path:
         return dest
     s3fs = s3_filesystem(s3)
     try:
-        infos = s3fs.get_file_info(fs.FileSelector(key, recursive=True))
+        infos = s3fs.get_file_info(fs.FileSelector(key, recursive=True, allow_not_found=True))
     except OSError as e:
         raise TargetError(f"cannot list {uri}: {e}") from e
     files = [i for i in infos if i.type == fs.FileType.File]
@@ -128,6 +155,9 @@ def fetch_checkpoint(uri: str, s3: S3Config | None = None) -> Path:
                 f.write(chunk)
         tmp.rename(out)
     log.info("downloaded %d files from %s to %s", len(files), uri, dest)
-    check_checkpoint(dest)
+    try:
+        check_checkpoint(dest)
+    except TargetError as e:  # name the URI the user gave, not only the cache directory
+        raise TargetError(f"{uri} is not a complete checkpoint: {e}") from e
     done.write_text("ok\n")
     return dest
