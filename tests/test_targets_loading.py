@@ -3,7 +3,6 @@ and the clear `TargetError`s for broken or unsupported checkpoints."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 import shutil
@@ -18,31 +17,23 @@ import mmspec_ray.media.io
 from mmspec_ray.spec.engine import AREngine
 from mmspec_ray.targets import Request, TargetError, families, load_target, wrap
 from mmspec_ray.targets.registry import checkpoint_cache
+from families import FAMILIES
 from tiny import random_images, tiny_llava, tiny_tokenizer
 
-BUILDERS = {  # family -> (tests module, builder)
-    "llava": ("tiny", "tiny_llava"),
-    "llava_next": ("tiny_llava_next", "tiny_llava_next"),
-    "llava_onevision": ("tiny_llava_onevision", "tiny_llava_onevision"),
-    "qwen2_5_vl": ("tiny_qwen2_5_vl", "tiny_qwen2_5_vl"),
-    "idefics3": ("tiny_idefics3", "tiny_idefics3"),
-    "gemma3": ("tiny_gemma3", "tiny_gemma3"),
-}
 # Families whose tiny processor is a torchvision-free stand-in subclass (see the tiny builders), with the stock
 # processor / video processor classes a real checkpoint of that family names in processor_config.json.
 STAND_IN = {
     "llava_onevision": ("LlavaOnevisionProcessor", "LlavaOnevisionVideoProcessor"),
     "qwen2_5_vl": ("Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor"),
 }
-ROUND_TRIP = [f for f in BUILDERS if f not in STAND_IN]
+ROUND_TRIP = [f for f in FAMILIES if f not in STAND_IN]
 NEW_TOKENS = 16
 REQUEST = Request(prompt="describe the image", images=tuple(random_images(1, seed=11)))
 
 
 def build(family: str):
-    mod, fn = BUILDERS[family]
     torch.manual_seed(0)
-    return getattr(importlib.import_module(mod), fn)()
+    return FAMILIES[family].builder()
 
 
 def greedy(target) -> list[int]:
