@@ -30,7 +30,7 @@ from mmspec_ray.toy.train import make_item, pretrain_vision, train_target
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "validation", "test")
-BUILD_VERSION = 1  # bump when the data or model recipe changes, to invalidate caches
+BUILD_VERSION = 3  # bump when the data or model recipe changes, to invalidate caches
 
 
 def mmspec_home() -> Path:

@@ -37,7 +37,7 @@ class ToySize:
     epochs: float
     batch_size: int
     lr: float
-    vision_steps: int = 400  # stage-1 vision pretraining steps (per-cell attribute classification)
+    vision_steps: int = 600  # stage-1 vision pretraining steps (per-cell attribute classification)
     video_frames: int = 4  # frames the target sees per clip (uniformly sampled)
 
 
