@@ -56,7 +56,7 @@ def ray_cluster(s3_server):
     """A 2-CPU local Ray for this module. Started after the S3 fixture so workers inherit its credentials."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ["RAY_DATA_DISABLE_PROGRESS_BARS"] = "1"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -76,7 +76,7 @@ def reference(ckpt):
 def spec_for(s3_server, ckpt, input_uri: str, output_uri: str, **kw) -> JobSpec:
     return JobSpec.model_validate({
         "input": input_uri, "output": output_uri, "progress_bars": False, "progress_interval_s": 5,
-        "rows_per_block": 2, **kw,
+        "rows_per_block": 2, "rows_per_file": None, **kw,
         "decode": {"target": ckpt, "drafter": "ngram", "max_new_tokens": MAX_NEW, "media": {"num_frames": FRAMES},
                    "s3": s3_server.s3_config.model_dump()},
     })
@@ -168,7 +168,7 @@ def test_s3_job_with_every_kind_of_bad_row(s3_server, ray_cluster, ckpt, referen
         assert got["output_text"] is None and got["output_token_ids"] is None
     assert_matches_reference(out, requests, reference)
     assert summary["complete"] and summary["rows"] == len(rows) and summary["duplicates"] == 0
-    assert summary["output"]["errors_by_kind"] == {kind: 1 for _, _, kind in bad.values()}
+    assert summary["all_rows"]["errors_by_kind"] == {kind: 1 for _, _, kind in bad.values()}
     assert summary["run"]["output_tokens"] == MAX_NEW * len(requests)
     assert read_json(locate(out_uri, s3_server.s3_config).child("_summary.json")) == summary
 
@@ -245,7 +245,7 @@ def test_actor_killed_mid_job_every_row_exactly_once(s3_server, ray_cluster, ckp
     out = read_output(s3_server, out_uri)
     assert_exactly_once(out, [r["id"] for r in rows])
     assert_matches_reference(out, requests, reference)
-    assert summary["complete"] and summary["output"]["errors"] == 0
+    assert summary["complete"] and summary["all_rows"]["errors"] == 0
 
 
 # ---------------- the Kinetics caption job: CSV + clip root on S3, through the job CLI ----------------

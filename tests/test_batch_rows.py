@@ -205,7 +205,12 @@ def test_summary_counts():
     s = summarize(out, pa.array(["a", "b", "c", "d"]), pa.array(["b", "c"]), 2.0, {"input": "x"})
     assert (s["rows"], s["rows_written"], s["duplicates"], s["missing"], s["complete"]) == (4, 4, 1, 1, False)
     assert s["skipped_already_done"] == 2 and s["run"]["rows"] == 3 and s["run"]["output_tokens_per_s"] == 6.0
-    assert row_stats(out)["errors_by_kind"] == {"media.corrupt": 1}
+    assert row_stats(out)["errors_by_kind"] == {"media.corrupt": 1} == s["all_rows"]["errors_by_kind"]
+    progress = {"rows": 10, "tokens": 100, "first_report_s": 5.0, "last_report_s": 7.0, "first_rows": 2,
+                "first_tokens": 20}
+    s = summarize(out, pa.array(["a"]), pa.array(["a"]), 2.0, {}, progress)
+    assert (s["run"]["startup_seconds"], s["run"]["steady_rows_per_s"], s["run"]["steady_output_tokens_per_s"]) == (
+        5.0, 4.0, 40.0)
 
 
 # ---------------- inputs, spec, flags ----------------

@@ -52,7 +52,8 @@ def build_parser(job: str) -> argparse.ArgumentParser:
     a("--num-frames", type=int, help="frames per clip (default: the target's convention)")
     a("--fps", type=float, help="sample clips at this rate instead of --num-frames")
     a("--rows-per-block", type=int, help="rows per actor call (retry and resume unit)")
-    a("--rows-per-file", type=int, help="combine output into files of at least N rows")
+    a("--rows-per-file", type=int, help="combine output into files of at least N rows (default 64; 0: a file per "
+      "block, i.e. per --rows-per-block rows)")
     a("--device")
     a("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     a("--s3-endpoint", help="S3-compatible endpoint, e.g. http://127.0.0.1:9000 (default: AWS_ENDPOINT_URL)")
@@ -86,6 +87,8 @@ def flag_overrides(a: argparse.Namespace) -> dict[str, Any]:
     if s3:
         dec["s3"] = s3
     out = {k: v for k, v in top.items() if v is not None}
+    if a.rows_per_file == 0:  # 0: one file per block (finest resume granularity)
+        out["rows_per_file"] = None
     if dec:
         out["decode"] = dec
     return out

@@ -9,10 +9,7 @@ defaults `max_restarts=-1`, `max_task_retries=-1`), so no row is lost or written
 
 from __future__ import annotations
 
-import gc
 import logging
-import os
-import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -22,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray
 
+from mmspec_ray.batch.cluster import check_gpus, connect_ray, plan_actor_cpus, release_failed_run
 from mmspec_ray.batch.decoder import SpecDecoder
 from mmspec_ray.batch.progress import ProgressPrinter, ProgressTracker
 from mmspec_ray.batch.rows import IMAGE_FIELDS, INTERNAL_COLUMNS, OUTPUT_COLUMNS, VIDEO_FIELDS
@@ -32,18 +30,6 @@ from mmspec_ray.batch.storage import (SUMMARY_NAME, Location, check_ids, clear_o
 from mmspec_ray.batch.summary import SUMMARY_COLUMNS, format_summary, summarize
 
 log = logging.getLogger(__name__)
-
-
-def connect_ray(num_cpus: int | None = None) -> None:
-    """Join the cluster in RAY_ADDRESS (`ray job submit` sets it), else start a local one (auth off unless the
-    caller set RAY_AUTH_MODE). No-op when this process is already connected."""
-    if ray.is_initialized():
-        return
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init()
-        return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=num_cpus, include_dashboard=False)
 
 
 def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = SpecDecoder) -> dict[str, Any]:
@@ -69,6 +55,7 @@ def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = Sp
     log.info("job %s -> %s: %d rows, %d already in the output, %d to decode", spec.input, spec.output, len(ids),
              len(ids) - len(todo), len(todo))
     t_run = time.time()
+    progress = None
     if len(todo):
         connect_ray()
         tracker = ProgressTracker.remote(len(todo))
@@ -77,6 +64,7 @@ def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = Sp
             with ProgressPrinter(tracker, spec.progress_interval_s):
                 ds.write_parquet(out.ray_path, filesystem=out.fs, min_rows_per_file=spec.rows_per_file,
                                  ray_remote_args={"num_cpus": spec.cpus_per_task})
+            progress = ray.get(tracker.snapshot.remote())
         except BaseException as e:
             del ds
             release_failed_run(e)
@@ -85,50 +73,10 @@ def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = Sp
             ray.kill(tracker)
     wall = time.time() - t_run
     _, written = scan_output(out, SUMMARY_COLUMNS)
-    summary = summarize(written, ids, todo, wall, _meta(spec, t_start, state.removed))
+    summary = summarize(written, ids, todo, wall, _meta(spec, t_start, state.removed), progress)
     write_json(out.child(SUMMARY_NAME), summary)
     log.info(format_summary(summary))
     return summary
-
-
-def release_failed_run(e: BaseException, wait_s: float = 10.0) -> None:
-    """Let a failed run's decoder actors go now. Ray Data frees its actors by reference counting, and the frames in
-    the exception's traceback (some from its executor thread, which may still be winding down) reference the
-    executor; a caller that keeps the exception (a notebook, a test, a retry loop) would keep the actors and their
-    CPUs/GPUs, and the next run in this process would wait for them forever. Tracebacks keep their line info."""
-    mine: set[int] = set()
-    f = sys._getframe()
-    while f is not None:
-        mine.add(id(f))
-        f = f.f_back
-    frames, seen, stack = [], set(), [e]
-    while stack:
-        exc = stack.pop()
-        if exc is None or id(exc) in seen:
-            continue
-        seen.add(id(exc))
-        tb = exc.__traceback__
-        while tb is not None:
-            fr = tb.tb_frame  # the frame and its callers (a thread's bootstrap frames hold the executor too)
-            while fr is not None and id(fr) not in mine and id(fr) not in seen:
-                seen.add(id(fr))
-                frames.append(fr)
-                fr = fr.f_back
-            tb = tb.tb_next
-        stack += [exc.__cause__, exc.__context__]
-    deadline = time.time() + wait_s
-    while frames:
-        busy = []
-        for fr in frames:
-            try:
-                fr.clear()
-            except RuntimeError:  # still executing in the executor thread: retry once it has returned
-                busy.append(fr)
-        if not busy or time.time() > deadline:
-            break
-        frames = busy
-        time.sleep(0.1)
-    gc.collect()
 
 
 def _scan_input(source: Location) -> tuple[pa.Schema, pa.ChunkedArray]:
@@ -153,24 +101,6 @@ def check_columns(schema: pa.Schema, cfg: DecodeConfig, where: str) -> None:
         raise ValueError(f"input {where} has no {' / '.join(fields)} column, but this job needs a {need} per row")
 
 
-def plan_actor_cpus(spec: JobSpec) -> float:
-    """CPUs per decoder actor, lowered so the pool never takes every CPU: read, media and write tasks need one
-    (on a 2-CPU machine a pool holding both CPUs deadlocks the reads)."""
-    total = float(ray.cluster_resources().get("CPU", 0.0))
-    reserve = max(1.0, 2 * spec.cpus_per_task)
-    room = total - reserve
-    want = spec.cpus_per_actor
-    if room <= 0:
-        log.warning("the cluster has %.1f CPUs: too few to keep one for reads next to the actors", total)
-        return min(want, max(total / (spec.num_actors + 1), 0.1))
-    if want * spec.num_actors > room:
-        got = room / spec.num_actors
-        log.warning("%d actors x %.2f CPUs would leave reads no CPU on this %.0f-CPU cluster; using %.2f CPUs per "
-                    "actor", spec.num_actors, want, total, got)
-        return got
-    return want
-
-
 def _decode_config(spec: JobSpec, actor_cpus: float) -> DecodeConfig:
     """The actors' config: device resolved from the pool's GPUs, torch threads matched to the actor's CPUs."""
     cfg = spec.decode
@@ -182,24 +112,12 @@ def _decode_config(spec: JobSpec, actor_cpus: float) -> DecodeConfig:
     return cfg.model_copy(update=update)
 
 
-def _check_gpus(spec: JobSpec) -> None:
-    if spec.gpus_per_actor <= 0:
-        return
-    have = float(ray.cluster_resources().get("GPU", 0.0))
-    if have >= spec.gpus_per_actor:
-        return
-    msg = f"--gpus-per-actor {spec.gpus_per_actor} but the cluster has {have:g} GPUs"
-    if not os.environ.get("RAY_ADDRESS"):
-        raise ValueError(msg + "; run on a GPU machine or with --gpus-per-actor 0")
-    log.warning("%s now; actors wait until the autoscaler adds GPU nodes", msg)
-
-
 def _build(spec: JobSpec, table: pa.Table | None, source: Location | None, todo: pa.Array, full: bool,
            decoder_cls: type, tracker: Any = None) -> ray.data.Dataset:
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = spec.progress_bars
     ctx.max_errored_blocks = 0  # rows never raise; a raising block is a real failure, never a silent drop
-    _check_gpus(spec)
+    check_gpus(spec)
     actor_cpus = plan_actor_cpus(spec)
     cfg = _decode_config(spec, actor_cpus)
     task = {"num_cpus": spec.cpus_per_task}

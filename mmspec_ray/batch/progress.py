@@ -24,6 +24,9 @@ class ProgressTracker:
         self.rows = self.errors = self.tokens = self.ok = 0
         self.accepted_sum = self.decode_s = 0.0
         self.t0 = time.time()
+        self.first_s: float | None = None  # when the first block was reported (startup ends)
+        self.last_s: float | None = None
+        self.first_rows = self.first_tokens = 0
 
     def report(self, rows: int, errors: int, tokens: int, accepted_sum: float, decode_s: float) -> None:
         self.rows += rows
@@ -32,11 +35,16 @@ class ProgressTracker:
         self.tokens += tokens
         self.accepted_sum += accepted_sum
         self.decode_s += decode_s
+        self.last_s = time.time() - self.t0
+        if self.first_s is None:
+            self.first_s, self.first_rows, self.first_tokens = self.last_s, rows, tokens
 
     def snapshot(self) -> dict:
         return {"total": self.total, "rows": self.rows, "errors": self.errors, "tokens": self.tokens,
                 "mean_accepted": self.accepted_sum / self.ok if self.ok else 0.0,
-                "decode_s": self.decode_s, "elapsed_s": time.time() - self.t0}
+                "decode_s": self.decode_s, "elapsed_s": time.time() - self.t0,
+                "first_report_s": self.first_s, "last_report_s": self.last_s,
+                "first_rows": self.first_rows, "first_tokens": self.first_tokens}
 
 
 def format_progress(s: dict) -> str:

@@ -137,6 +137,6 @@ def _check_exclusive(row: Mapping[str, Any], fields: tuple[str, str]) -> None:
 def _missing_media(row: Mapping[str, Any], fields: tuple[str, str], kind: str) -> RowError:
     present = [f for f in fields if f in row]
     if not present:
-        return RowError(fields[1], "missing_field", f"this job needs a {kind} per row: add an {fields[0]} (bytes) "
+        return RowError(fields[1], "missing_field", f"this job needs a {kind} per row: add a {fields[0]} (bytes) "
                         f"or {fields[1]} column")
     return RowError(present[-1], "null_field", f"is null; this job needs a {kind} per row")

@@ -90,7 +90,8 @@ class JobSpec(BaseModel):
     cpus_per_actor: float = Field(1.0, gt=0.0, description="lowered automatically so reads keep a CPU")
     cpus_per_task: float = Field(0.5, gt=0.0, description="CPUs of each read / media-decode / write task")
     rows_per_block: int = Field(4, ge=1, description="rows per actor call: the unit of retry and of resume")
-    rows_per_file: int | None = Field(None, ge=1, description="combine blocks into files of at least this many rows")
+    rows_per_file: int | None = Field(64, ge=1, description="combine blocks into files of at least this many rows "
+                                      "(None: one file per block; rows not yet in a file are redone on resume)")
     limit: int | None = Field(None, ge=1, description="only the first N input rows (stable across re-runs)")
     overwrite: bool = Field(False, description="delete existing output first instead of resuming")
     progress_interval_s: float = Field(10.0, gt=0.0)

@@ -1,7 +1,7 @@
 """The end-of-job summary, computed from what the output really holds (so it is exact after crashes and resumes).
 
-`run` covers the rows this invocation decoded, `output` every row of the job's output; `complete` is true when the
-output has each of the job's ids exactly once.
+`run` covers the rows this invocation decoded, `all_rows` every row of the job's output; `complete` is true when
+the output has each of the job's ids exactly once.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ def row_stats(t: pa.Table | None) -> dict[str, Any]:
 
 
 def summarize(output: pa.Table | None, job_ids: pa.Array, run_ids: pa.Array, wall_s: float,
-              meta: dict[str, Any]) -> dict[str, Any]:
-    """Summary dict of a finished (or resumed) job. `output` holds `id` + SUMMARY_COLUMNS of every written row."""
+              meta: dict[str, Any], progress: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Summary dict of a finished (or resumed) job. `output` holds `id` + SUMMARY_COLUMNS of every written row;
+    `progress` is the tracker's last snapshot (adds startup time and steady-state throughput)."""
     written = output.num_rows if output is not None else 0
     out_ids = output.column("id") if output is not None else pa.array([], type=job_ids.type)
     unique = pc.count_distinct(out_ids).as_py() if written else 0
@@ -48,6 +49,8 @@ def summarize(output: pa.Table | None, job_ids: pa.Array, run_ids: pa.Array, wal
         rows_per_s=run_stats["rows"] / wall_s if wall_s > 0 else None,
         output_tokens_per_s=run_stats["output_tokens"] / wall_s if wall_s > 0 else None,
     )
+    if progress:
+        run_stats.update(steady_state(progress))
     return {
         **meta,
         "rows": len(job_ids),
@@ -57,12 +60,24 @@ def summarize(output: pa.Table | None, job_ids: pa.Array, run_ids: pa.Array, wal
         "complete": missing == 0 and written == unique,
         "skipped_already_done": len(job_ids) - len(run_ids),
         "run": run_stats,
-        "output": row_stats(output),
+        "all_rows": row_stats(output),
     }
 
 
+def steady_state(p: dict[str, Any]) -> dict[str, Any]:
+    """Startup (run start -> first block decoded: actor start, model load, first media) and the throughput after
+    it, from the progress tracker's timestamps (blocks after the first one only)."""
+    first, last = p.get("first_report_s"), p.get("last_report_s")
+    out: dict[str, Any] = {"startup_seconds": first}
+    span = (last - first) if first is not None and last is not None else 0.0
+    rows, tokens = p["rows"] - p.get("first_rows", 0), p["tokens"] - p.get("first_tokens", 0)
+    out["steady_rows_per_s"] = rows / span if span > 0 else None
+    out["steady_output_tokens_per_s"] = tokens / span if span > 0 else None
+    return out
+
+
 def format_summary(s: dict[str, Any]) -> str:
-    r, o = s["run"], s["output"]
+    r, o = s["run"], s["all_rows"]
     acc = o["mean_accepted_per_cycle"]
     kinds = ", ".join(f"{k}={v}" for k, v in o["errors_by_kind"].items()) or "none"
     return (f"summary: {s['rows_written']}/{s['rows']} rows in output ({'complete' if s['complete'] else 'INCOMPLETE'}"

@@ -1,0 +1,99 @@
+"""Ray cluster plumbing for batch jobs: connect or start, size the actor pool's CPUs, check GPUs, and free a
+failed run's actors."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import sys
+import time
+
+import ray
+
+from mmspec_ray.batch.spec import JobSpec
+
+log = logging.getLogger(__name__)
+
+
+def connect_ray(num_cpus: int | None = None) -> None:
+    """Join the cluster in RAY_ADDRESS (`ray job submit` sets it), else start a fresh local one (auth off unless
+    the caller set RAY_AUTH_MODE). `address="local"`: never attach to some other `ray start` cluster on this host
+    by accident. No-op when this process is already connected."""
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init()
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
+
+
+def plan_actor_cpus(spec: JobSpec) -> float:
+    """CPUs per decoder actor, lowered so the pool never takes every CPU: read, media and write tasks need one
+    (on a 2-CPU machine a pool holding both CPUs deadlocks the reads)."""
+    total = float(ray.cluster_resources().get("CPU", 0.0))
+    reserve = max(1.0, 2 * spec.cpus_per_task)
+    room = total - reserve
+    want = spec.cpus_per_actor
+    if room <= 0:
+        log.warning("the cluster has %.1f CPUs: too few to keep one for reads next to the actors", total)
+        return min(want, max(total / (spec.num_actors + 1), 0.1))
+    if want * spec.num_actors > room:
+        got = room / spec.num_actors
+        log.warning("%d actors x %.2f CPUs would leave reads no CPU on this %.0f-CPU cluster; using %.2f CPUs per "
+                    "actor", spec.num_actors, want, total, got)
+        return got
+    return want
+
+
+def check_gpus(spec: JobSpec) -> None:
+    if spec.gpus_per_actor <= 0:
+        return
+    have = float(ray.cluster_resources().get("GPU", 0.0))
+    if have >= spec.gpus_per_actor:
+        return
+    msg = f"--gpus-per-actor {spec.gpus_per_actor} but the cluster has {have:g} GPUs"
+    if not os.environ.get("RAY_ADDRESS"):
+        raise ValueError(msg + "; run on a GPU machine or with --gpus-per-actor 0")
+    log.warning("%s now; actors wait until the autoscaler adds GPU nodes", msg)
+
+
+def release_failed_run(e: BaseException, wait_s: float = 10.0) -> None:
+    """Let a failed run's decoder actors go now. Ray Data frees its actors by reference counting, and the frames in
+    the exception's traceback (some from its executor thread, which may still be winding down) reference the
+    executor; a caller that keeps the exception (a notebook, a test, a retry loop) would keep the actors and their
+    CPUs/GPUs, and the next run in this process would wait for them forever. Tracebacks keep their line info."""
+    mine: set[int] = set()
+    f = sys._getframe()
+    while f is not None:
+        mine.add(id(f))
+        f = f.f_back
+    frames, seen, stack = [], set(), [e]
+    while stack:
+        exc = stack.pop()
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        tb = exc.__traceback__
+        while tb is not None:
+            fr = tb.tb_frame  # the frame and its callers (a thread's bootstrap frames hold the executor too)
+            while fr is not None and id(fr) not in mine and id(fr) not in seen:
+                seen.add(id(fr))
+                frames.append(fr)
+                fr = fr.f_back
+            tb = tb.tb_next
+        stack += [exc.__cause__, exc.__context__]
+    deadline = time.time() + wait_s
+    while frames:
+        busy = []
+        for fr in frames:
+            try:
+                fr.clear()
+            except RuntimeError:  # still executing in the executor thread: retry once it has returned
+                busy.append(fr)
+        if not busy or time.time() > deadline:
+            break
+        frames = busy
+        time.sleep(0.1)
+    gc.collect()
