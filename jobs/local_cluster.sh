@@ -27,7 +27,8 @@ stop_head() {
 }
 trap stop_head EXIT
 
-ray start --head --port "$PORT" --dashboard-port "$DASH" --include-dashboard true --temp-dir "$TMP" \
+ray start --head --node-ip-address 127.0.0.1 --port "$PORT" --dashboard-host 127.0.0.1 --dashboard-port "$DASH" \
+  --include-dashboard true --temp-dir "$TMP" \
   --disable-usage-stats ${RAY_NUM_CPUS:+--num-cpus "$RAY_NUM_CPUS"} >/dev/null
 # Right after `ray start` the head may not yet have a job agent ("No available agent to submit job"): in that case
 # no job was created, so retry; any other failure (including the job's own) ends here with its exit status.
