@@ -1,4 +1,6 @@
-"""The `mmspec` command: build the toy world, check its quality, generate answers, run the demo."""
+"""The `mmspec` command: build the toy world, check its quality, generate answers, train drafters, benchmark.
+
+The main batch job is `jobs/caption_kinetics.py` (Ray Data); this command is for single requests and tooling."""
 
 from __future__ import annotations
 
@@ -122,31 +124,6 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_demo(a: argparse.Namespace) -> int:
-    """Build the toy world if missing and caption a few held-out toy clips with the toy target."""
-    import csv
-
-    import torch
-
-    from mmspec_ray.media import load_video
-    from mmspec_ray.targets.hf import chat_inputs, load_hf_vlm, video_frames_for
-    from mmspec_ray.toy.build import build_toy
-
-    w = build_toy(a.size)
-    model, processor = load_hf_vlm(w.target)
-    nf = video_frames_for(w.target)
-    with open(w.kinetics_csv("test")) as f:
-        rows = list(csv.DictReader(f))[: a.limit]
-    for r in rows:
-        clip = w.clips / "test" / f"{r['youtube_id']}_{int(r['time_start']):06d}_{int(r['time_end']):06d}.mp4"
-        inputs = chat_inputs(processor, "Describe what happens in the video.", load_video(str(clip), nf).frames)
-        with torch.inference_mode():
-            out = model.generate(**inputs, do_sample=False, max_new_tokens=a.max_new_tokens)
-        text = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-        print(f"{clip.name}  label={r['label']!r}\n  -> {text}")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mmspec", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -208,11 +185,6 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--out", default="out/bench")
     be.set_defaults(fn=cmd_bench)
 
-    d = sub.add_parser("demo", help="build the toy world if needed and caption a few toy clips")
-    d.add_argument("--size", default="toy-s", choices=["toy-s", "toy-m"])
-    d.add_argument("--limit", type=int, default=5)
-    d.add_argument("--max-new-tokens", type=int, default=64)
-    d.set_defaults(fn=cmd_demo)
     return p
 
 

@@ -61,11 +61,11 @@ class Eagle2Head(nn.Module):
                                   cfg.rms_eps, input_norm=False)
 
     def forward(self, embeds: torch.Tensor, feats: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
-                past: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """embeds, feats [B, T, d]; pos [B, T]; mask [B, 1, T, S+T] bool -> (predicted features [B, T, d], new kv)."""
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None, at: int = 0) -> torch.Tensor:
+        """embeds, feats [B, T, d]; pos [B, T]; mask [B, 1, T, at+T] bool -> predicted features [B, T, d]
+        (`kv`/`at`: see DecoderLayer.forward)."""
         x = self.fc(torch.cat([embeds, feats], dim=-1))
-        return self.layer(x, pos, mask, past)
+        return self.layer(x, pos, mask, kv, at)
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -99,7 +99,8 @@ class Eagle2Drafter:
                 "train a drafter for this target with `mmspec train-drafter`")
         self.head = head.to(device=target.device, dtype=target.dtype).eval()
         self.target = target
-        self.ctx: tuple[torch.Tensor, torch.Tensor] | None = None  # accepted-context KV, each [1, Hkv, S, hd]
+        self.kv: tuple[torch.Tensor, torch.Tensor] | None = None  # KV buffers [1, Hkv, capacity, hd]
+        self.ctx_len = 0  # slots [0, ctx_len) hold accepted context; tree nodes use the slots after it
         self.last: torch.Tensor | None = None  # [1, d] draft output of the newest context entry
 
     @classmethod
@@ -117,14 +118,10 @@ class Eagle2Drafter:
                     p.copy_(torch.randn(p.shape, generator=g) * std)
         return cls(head, target)
 
-    @property
-    def ctx_len(self) -> int:
-        return 0 if self.ctx is None else int(self.ctx[0].shape[2])
-
     # ---------- lifecycle ----------
     @torch.inference_mode()
     def begin(self, target: "VLMTarget", prefill: "TargetOutput", root: int) -> None:
-        self.ctx, self.last = None, None
+        self.ctx_len, self.last = 0, None
         embeds = prefill.inputs_embeds[0]
         feats = prefill.hidden[0]
         nxt = torch.cat([embeds[1:], self._embed([root])], 0)  # entry j: token j+1 with feature j
@@ -139,9 +136,8 @@ class Eagle2Drafter:
     def propose(self, root: int, cfg: TreeConfig) -> DraftTree:
         S = self.ctx_len
         dev = self.target.device
+        self._reserve(S + cfg.top_k * cfg.depth)
         root_logp = torch.log_softmax(self.target.lm_head(self.last).float(), -1)[0]
-        ks: list[torch.Tensor] = []  # scratch KV of expanded tree nodes, one [1, Hkv, k, hd] per step
-        vs: list[torch.Tensor] = []
         hid: list[torch.Tensor] = []  # draft outputs of expanded nodes, one [k, d] per step
         lvl: list[int] = []  # tree level of each expanded node (root's children: 1)
         anc = torch.zeros((0, 0), dtype=torch.bool, device=dev)  # ancestor-or-self among expanded nodes
@@ -160,11 +156,9 @@ class Eagle2Drafter:
                 new[i, n_prev + i] = True
             anc = torch.cat([torch.nn.functional.pad(anc, (0, k)), new], 0)
             mask = torch.cat([torch.ones((k, S), dtype=torch.bool, device=dev), new], 1)
-            past = (torch.cat([self.ctx[0]] + ks, 2), torch.cat([self.ctx[1]] + vs, 2))
             pos = torch.tensor([[S - 1 + lv for lv in levels]], device=dev)
-            out, (kn, vn) = self.head(self._embed(tokens.tolist())[None], feats[None], pos, mask[None, None], past)
-            ks.append(kn)
-            vs.append(vn)
+            out = self.head(self._embed(tokens.tolist())[None], feats[None], pos, mask[None, None], self.kv,
+                            S + n_prev)  # scratch slots after the context; overwritten by the next cycle
             hid.append(out[0])
             lvl.extend(levels)
             return torch.log_softmax(self.target.lm_head(out[0]).float(), -1).cpu()
@@ -175,13 +169,27 @@ class Eagle2Drafter:
     def _embed(self, ids: list[int]) -> torch.Tensor:
         return self.target.embed_tokens(torch.tensor(ids, device=self.target.device)).to(self.target.dtype)
 
+    def _reserve(self, n: int) -> None:
+        """Make the KV buffers hold at least n slots (grown by doubling, so amortised O(1) per token)."""
+        if self.kv is not None and self.kv[0].shape[2] >= n:
+            return
+        cap = max(n, 2 * (self.kv[0].shape[2] if self.kv is not None else 256))
+        cfg = self.head.cfg
+        shape = (1, cfg.num_kv_heads, cap, cfg.hidden_size // cfg.num_heads)
+        new = tuple(torch.empty(shape, dtype=self.target.dtype, device=self.target.device) for _ in range(2))
+        if self.kv is not None and self.ctx_len:
+            for dst, src in zip(new, self.kv):
+                dst[:, :, :self.ctx_len] = src[:, :, :self.ctx_len]
+        self.kv = new
+
     def _extend(self, embeds: torch.Tensor, feats: torch.Tensor) -> None:
         """Run new context entries (embeds, feats [T, d]) causally after the existing context; keep their KV."""
         S, T = self.ctx_len, embeds.shape[0]
         dev = self.target.device
+        self._reserve(S + T)
         mask = torch.ones((T, S + T), dtype=torch.bool, device=dev)
         mask[:, S:] = torch.ones((T, T), dtype=torch.bool, device=dev).tril()
         pos = torch.arange(S, S + T, device=dev)[None]
-        out, (k, v) = self.head(embeds[None], feats[None], pos, mask[None, None], self.ctx)
-        self.ctx = (k, v) if self.ctx is None else (torch.cat([self.ctx[0], k], 2), torch.cat([self.ctx[1], v], 2))
+        out = self.head(embeds[None], feats[None], pos, mask[None, None], self.kv, S)
+        self.ctx_len = S + T
         self.last = out[0, -1:]

@@ -51,22 +51,22 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Linear(ffn, dim, bias=False)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
-                past: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """x [B, T, d]; pos [B, T]; mask [B, 1, T, S+T] bool (True = may attend), S = past length.
-        Returns (out [B, T, d], (k, v) of the T new positions, each [B, kv_heads, T, head_dim])."""
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None, at: int = 0) -> torch.Tensor:
+        """x [B, T, d]; pos [B, T]; mask [B, 1, T, at+T] bool (True = may attend).
+        Without `kv` the T positions attend among themselves (training). With `kv` (preallocated buffers
+        [B, kv_heads, capacity, head_dim]) the new keys/values are written in place at [at, at+T) and the
+        positions attend to buffer slots [0, at+T): no copy of the existing KV per call."""
         B, T, _ = x.shape
         h = self.input_norm(x)
         q = self.q_proj(h).view(B, T, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(h).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(h).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = rotary(q, pos, self.theta), rotary(k, pos, self.theta)
-        kk, vv = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
-        rep = self.heads // self.kv_heads
-        if rep > 1:
-            kk, vv = kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1)
-        att = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+        if kv is not None:
+            kv[0][:, :, at:at + T] = k
+            kv[1][:, :, at:at + T] = v
+            k, v = kv[0][:, :, :at + T], kv[1][:, :, :at + T]
+        att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
         x = x + self.o_proj(att.transpose(1, 2).reshape(B, T, -1))
         h = self.post_norm(x)
-        x = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
-        return x, (k, v)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))

@@ -126,7 +126,7 @@ def train_eagle2(target: VLMTarget, examples: list[FeatureExample], out_dir: str
         for idx in bar:
             emb, feat, tgt, lmask, valid = collate(examples, idx, cfg.noise, gen)
             pos = torch.arange(emb.shape[1])[None].expand(emb.shape[0], -1)
-            pred, _ = head(emb, feat, pos, causal_pad_mask(valid))
+            pred = head(emb, feat, pos, causal_pad_mask(valid))
             loss, parts = eagle_loss(pred, tgt, W, lmask, p_weight=cfg.p_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
