@@ -91,3 +91,16 @@ def s3_server():
             yield S3Server(host=host, port=port, client=client)
         finally:
             server.stop()
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory) -> str:
+    """A tiny random-init LLaVA saved with save_pretrained (model + processor): a checkpoint directory that
+    `load_target` loads exactly like a real one."""
+    from tiny import tiny_llava
+
+    path = tmp_path_factory.mktemp("tiny_llava_ckpt")
+    model, processor = tiny_llava()
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return str(path)

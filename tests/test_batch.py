@@ -27,7 +27,7 @@ from mmspec_ray.media import load_image, load_video  # noqa: E402
 from mmspec_ray.spec.engine import SpecEngine  # noqa: E402
 from mmspec_ray.targets import Request, load_target  # noqa: E402
 from mmspec_ray.toy.clips import encode_mp4  # noqa: E402
-from tiny import random_images, tiny_llava  # noqa: E402
+from tiny import random_images  # noqa: E402
 
 MAX_NEW = 10
 FRAMES = 4
@@ -40,15 +40,6 @@ def png(img) -> bytes:
     buf = io.BytesIO()
     img.save(buf, "PNG")
     return buf.getvalue()
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_llava_batch")
-    model, processor = tiny_llava()
-    model.save_pretrained(path)
-    processor.save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")

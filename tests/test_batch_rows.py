@@ -24,7 +24,7 @@ from mmspec_ray.media import load_image, load_video
 from mmspec_ray.spec.engine import SpecEngine
 from mmspec_ray.targets import Request, load_target
 from mmspec_ray.toy.clips import encode_mp4
-from tiny import random_images, tiny_llava
+from tiny import random_images
 
 MAX_NEW = 12
 LOCAL = S3Config(region="us-east-1")
@@ -40,15 +40,6 @@ def corrupt_png() -> bytes:
     """A real PNG with its pixel data zeroed in the middle."""
     data = png(random_images(1, seed=11)[0])
     return data[:100] + bytes(200) + data[300:]
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_llava")
-    model, processor = tiny_llava()
-    model.save_pretrained(path)
-    processor.save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
