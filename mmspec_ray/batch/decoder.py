@@ -21,7 +21,7 @@ from mmspec_ray.batch.rows import (ERROR_COL, ERROR_KIND_COL, INTERNAL_COLUMNS, 
 from mmspec_ray.batch.spec import DecodeConfig
 from mmspec_ray.drafters.base import load_drafter
 from mmspec_ray.spec.engine import SpecEngine
-from mmspec_ray.targets import Request, TargetError, load_target
+from mmspec_ray.targets import PromptTooLong, Request, TargetError, load_target
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +70,10 @@ class SpecDecoder:
         cfg = self.config
         try:
             gen = self.engine.generate(request, cfg.sampling_for(row_id), cfg.max_new_tokens, cfg.stop)
+        except PromptTooLong as e:
+            return error_output(f"prompt: too long: {e}", "too_long")
         except TargetError as e:
-            msg = str(e)
-            if "exceeds the target's context" in msg:
-                return error_output(f"prompt: too long: {msg}", "too_long")
-            return error_output(f"request: {msg}", "target")
+            return error_output(f"request: {e}", "target")
         except Exception as e:  # a bug or a device error on one row must not end the job
             log.exception("row %r failed", row_id)
             return error_output(f"internal: {type(e).__name__}: {e}", "internal")

@@ -1,6 +1,6 @@
 """HF VLM target adapters: one file per family, a registry, and `load_target`."""
 
-from mmspec_ray.targets.base import Request, TargetError, TargetOutput, VLMTarget
+from mmspec_ray.targets.base import PromptTooLong, Request, TargetError, TargetOutput, VLMTarget
 from mmspec_ray.targets.registry import families, load_target, wrap
 
-__all__ = ["Request", "TargetError", "TargetOutput", "VLMTarget", "families", "load_target", "wrap"]
+__all__ = ["PromptTooLong", "Request", "TargetError", "TargetOutput", "VLMTarget", "families", "load_target", "wrap"]

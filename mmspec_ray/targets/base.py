@@ -21,6 +21,10 @@ class TargetError(ValueError):
     """A request this target cannot serve (wrong media kind, too long, missing processor ...). Says what to do."""
 
 
+class PromptTooLong(TargetError):
+    """Prompt + max_new_tokens exceed the target's context (callers report it as its own error kind)."""
+
+
 @dataclass(frozen=True)
 class Request:
     """One user turn: a text prompt (or OpenAI-style messages) plus its media."""
@@ -156,7 +160,7 @@ class VLMTarget:
 
     def check_length(self, n_prompt: int, max_new_tokens: int) -> None:
         if n_prompt + max_new_tokens > self.max_context:
-            raise TargetError(
+            raise PromptTooLong(
                 f"prompt of {n_prompt} tokens + max_new_tokens {max_new_tokens} exceeds the target's context of "
                 f"{self.max_context}; shorten the prompt, use fewer frames or lower max_new_tokens")
 
