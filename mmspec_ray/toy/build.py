@@ -18,19 +18,21 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
+from transformers import LlavaForConditionalGeneration
 
 from mmspec_ray.media import load_image, load_video
+from mmspec_ray.toy.grow import grow_llava
 from mmspec_ray.toy.clips import Clip, encode_mp4, render_clip, sample_clip
 from mmspec_ray.toy.model import TOY_SIZES, ToySize, build_model, build_processor, tokens_per_image
 from mmspec_ray.toy.scenes import Scene, encode_image, render_scene, sample_scene
 from mmspec_ray.toy.text import clip_examples, scene_examples
 from mmspec_ray.toy.tokenizer import train_tokenizer
-from mmspec_ray.toy.vocab import COLOURS, SHAPES, SIZES
-from mmspec_ray.toy.train import make_item, pretrain_vision, train_target
+from mmspec_ray.toy.vocab import ACTIONS, COLOURS, SHAPES, SIZES
+from mmspec_ray.toy.train import ClipLabels, make_item, pretrain_vision, train_target
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "validation", "test")
-BUILD_VERSION = 3  # bump when the data or model recipe changes, to invalidate caches
+BUILD_VERSION = 4  # bump when the data or model recipe changes, to invalidate caches
 
 
 def mmspec_home() -> Path:
@@ -73,7 +75,40 @@ def build_toy(name: str = "toy-s", seed: int = 0, home: Path | None = None, forc
     """Build (or reuse) the toy world `name`. Returns its paths."""
     if name not in TOY_SIZES:
         raise ValueError(f"unknown toy size {name!r}; choose one of {sorted(TOY_SIZES)}")
-    return build_world(TOY_SIZES[name], seed, world_dir(name, seed, home), force)
+    size = TOY_SIZES[name]
+    if size.grown_from:
+        small = build_toy(size.grown_from, seed, home)
+        return grow_world(size, small, seed, world_dir(name, seed, home), force)
+    return build_world(size, seed, world_dir(name, seed, home), force)
+
+
+def grow_world(size: ToySize, small: ToyWorld, seed: int, root: Path, force: bool = False) -> ToyWorld:
+    """A toy world whose target is `small`'s target grown by toy.grow (same data, tokenizer and processor)."""
+    world = ToyWorld(root)
+    if (root / ".complete").exists() and not force:
+        log.info("toy world %s already built at %s", size.name, root)
+        return world
+    if root.exists():
+        shutil.rmtree(root)
+    tmp = root.with_name(root.name + ".partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    t0 = time.time()
+    shutil.copytree(small.data, tmp / "data")
+    model = LlavaForConditionalGeneration.from_pretrained(small.target).eval()
+    big = grow_llava(model, size.grow_width, size.grow_depth, seed=seed)
+    big.save_pretrained(tmp / "target")
+    for f in small.target.iterdir():  # processor, tokenizer, chat template, mmspec_toy.json
+        if not (tmp / "target" / f.name).exists():
+            shutil.copy2(f, tmp / "target" / f.name)
+    manifest = {"name": size.name, "seed": seed, "build_version": BUILD_VERSION, "size": asdict(size),
+                "grown_from": str(small.root), "timings": {"total_s": time.time() - t0},
+                "params": sum(p.numel() for p in big.parameters()), "torch": torch.__version__}
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    (tmp / ".complete").write_text("ok\n")
+    tmp.rename(root)
+    log.info("grew %s from %s in %.0f s at %s", size.name, small.root.name, manifest["timings"]["total_s"], root)
+    return world
 
 
 def build_world(size: ToySize, seed: int, root: Path, force: bool = False) -> ToyWorld:
@@ -101,14 +136,16 @@ def build_world(size: ToySize, seed: int, root: Path, force: bool = False) -> To
     processor = build_processor(size, tokenizer)
     torch.manual_seed(seed)
     model = build_model(size, tokenizer)
-    items, pixels, cell_labels, scene_rows = training_items(staged, size, processor)
+    items, pixels, cell_labels, scene_rows, clip_labels = training_items(staged, size, processor)
     timings["prepare_s"] = time.time() - t1
     t2 = time.time()
     vision_acc = pretrain_vision(model, pixels[scene_rows], cell_labels, steps=size.vision_steps,
-                                 batch_size=128, lr=size.lr, seed=seed)
+                                 batch_size=128, lr=size.lr, seed=seed, clips=clip_labels)
+    timings["vision_s"] = time.time() - t2
+    t3 = time.time()
     losses = train_target(model, items, pixels, epochs=size.epochs, batch_size=size.batch_size, lr=size.lr,
                           seed=seed, pad_id=tokenizer.pad_token_id)
-    timings["train_s"] = time.time() - t2
+    timings["train_s"] = time.time() - t3
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(staged.target)
@@ -191,8 +228,8 @@ def corpus(world: ToyWorld) -> list[str]:
 def training_items(world: ToyWorld, size: ToySize, processor):
     """Tokenise the train split and preprocess each distinct image/clip once into a shared pixel bank.
 
-    Also returns per-cell labels [num_scenes, patches, 3] (colour, shape, size; 0 = empty) for the scene images
-    and their rows in the pixel bank, for vision pretraining.
+    Also returns, for vision pretraining, per-cell labels [num_scenes, patches, 3] (colour, shape, size; 0 = empty)
+    for the scene images, their rows in the pixel bank, and each clip's frame rows and action.
     """
     t = pq.read_table(world.examples("train")).to_pylist()
     ntok = tokens_per_image(size)
@@ -200,6 +237,8 @@ def training_items(world: ToyWorld, size: ToySize, processor):
     frames = []
     labels: list[torch.Tensor] = []
     scene_rows: list[int] = []
+    clip_rows: list[list[int]] = []
+    actions: list[int] = []
     for row in tqdm(t, desc="preprocess", unit="example"):
         path = row["media_path"]
         if path not in bank:
@@ -209,10 +248,14 @@ def training_items(world: ToyWorld, size: ToySize, processor):
             if row["media_type"] == "image":
                 scene_rows.append(len(frames))
                 labels.append(cell_labels(json.loads(row["meta"])["objects"], size))
+            else:
+                clip_rows.append(bank[path])
+                actions.append(ACTIONS.index(json.loads(row["meta"])["action"]))
             frames += imgs
     pixels = processor.image_processor(images=frames, return_tensors="pt")["pixel_values"]
     items = [make_item(processor, ntok, r["prompt"], r["answer"], tuple(bank[r["media_path"]])) for r in t]
-    return items, pixels, torch.stack(labels), torch.tensor(scene_rows)
+    clips = ClipLabels(pixels, torch.tensor(clip_rows), torch.tensor(actions))
+    return items, pixels, torch.stack(labels), torch.tensor(scene_rows), clips
 
 
 def cell_labels(objects: list[dict], size: ToySize) -> torch.Tensor:

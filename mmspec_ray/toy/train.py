@@ -12,6 +12,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LlavaForConditionalGeneration, LlavaProcessor
 
+from mmspec_ray.toy.vocab import ACTIONS
+
 log = logging.getLogger(__name__)
 
 
@@ -115,11 +117,14 @@ def train_target(model: LlavaForConditionalGeneration, items: list[TrainItem], p
 
 
 def pretrain_vision(model: LlavaForConditionalGeneration, pixels: torch.Tensor, labels: torch.Tensor, *,
-                    steps: int, batch_size: int, lr: float, seed: int, warmup: int = 30) -> float:
+                    steps: int, batch_size: int, lr: float, seed: int, warmup: int = 30,
+                    clips: ClipLabels | None = None) -> float:
     """Stage 1: teach the vision tower to see (per-cell colour / shape / size) before the language model is trained.
 
     `labels` is [num_images, num_patches, 3] with class ids (0 = empty cell). The heads are thrown away; only the
-    tower (and projector) keep what they learnt; train_target then keeps the tower frozen. Without this stage a
+    tower (and projector) keep what they learnt; train_target then keeps the tower frozen. With `clips`, a second
+    head classifies each clip's action from its frames' features (all tokens of all frames, concatenated), so the
+    frozen features also carry what changes between frames (angle, size, colour, place). Without this stage a
     toy-sized LLaVA learns the text prior and ignores the pixels. Warm-up + cosine decay + gradient clipping: at a
     constant 2e-3 the per-cell loss spikes and shape accuracy collapses midway. Returns the min per-attribute
     accuracy on the last batches (empty cells included, so it overstates shape accuracy on the objects).
@@ -130,6 +135,9 @@ def pretrain_vision(model: LlavaForConditionalGeneration, pixels: torch.Tensor, 
     d = model.config.text_config.hidden_size
     n_cls = [int(labels[..., k].max()) + 1 for k in range(labels.shape[-1])]
     heads = torch.nn.ModuleList(torch.nn.Linear(d, n) for n in n_cls)
+    if clips is not None:
+        n_frames, n_patch = clips.rows.shape[1], labels.shape[1]
+        heads.append(torch.nn.Linear(n_frames * n_patch * d, len(ACTIONS)))
     params = list(tower.parameters()) + list(projector.parameters()) + list(heads.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -143,21 +151,23 @@ def pretrain_vision(model: LlavaForConditionalGeneration, pixels: torch.Tensor, 
         idx = torch.randint(0, pixels.shape[0], (batch_size,), generator=g)
         x, y = pixels[idx], labels[idx]
         # Mirror half the batch left-right (every toy shape is left-right symmetric): twice the scenes, less
-        # overfitting of the shape head to the 3000 train scenes.
+        # overfitting of the shape head to the train scenes.
         flip = torch.rand(batch_size, generator=g) < 0.5
         x = torch.where(flip[:, None, None, None], x.flip(-1), x)
         y = torch.where(flip[:, None, None], y[:, mirror], y)
         feats = _features(model, x)
-        loss = sum(torch.nn.functional.cross_entropy(h(feats).flatten(0, 1), y[..., k].flatten())
-                   for k, h in enumerate(heads))
+        loss = sum(torch.nn.functional.cross_entropy(heads[k](feats).flatten(0, 1), y[..., k].flatten())
+                   for k in range(len(n_cls)))
+        if clips is not None:
+            loss = loss + _clip_action_loss(model, heads[-1], clips, batch_size // 4, g)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         with torch.no_grad():
-            accs.append(float(torch.stack([(h(feats).argmax(-1) == y[..., k]).float().mean()
-                                           for k, h in enumerate(heads)]).min()))
+            accs.append(float(torch.stack([(heads[k](feats).argmax(-1) == y[..., k]).float().mean()
+                                           for k in range(len(n_cls))]).min()))
     tower.eval()
     # Bring the image tokens to unit RMS per dimension (the stage-1 features are ~100x larger). Not down to the
     # text embeddings' initial norm (~0.3): those grow tenfold within a few hundred steps, and image tokens that
@@ -171,6 +181,32 @@ def pretrain_vision(model: LlavaForConditionalGeneration, pixels: torch.Tensor, 
     log.info("vision pretraining: %d steps, min per-attribute cell accuracy %.3f, projector scaled by %.4f",
              steps, acc, scale)
     return acc
+
+
+@dataclass(frozen=True)
+class ClipLabels:
+    """Stage-1 clip supervision: the pixel-bank rows of each clip's frames and its action id."""
+
+    pixels: torch.Tensor  # the pixel bank the rows index
+    rows: torch.Tensor  # [num_clips, frames] long
+    actions: torch.Tensor  # [num_clips] long, indices into ACTIONS
+
+
+def _clip_action_loss(model: LlavaForConditionalGeneration, head: torch.nn.Module, clips: ClipLabels, n: int,
+                      g: torch.Generator) -> torch.Tensor:
+    """Cross-entropy of the action head on `n` random clips, half mirrored left-right (a mirrored clip is a new
+    clip: "moving left" becomes "moving right" and back)."""
+    idx = torch.randint(0, clips.rows.shape[0], (n,), generator=g)
+    rows, y = clips.rows[idx], clips.actions[idx]
+    x = clips.pixels[rows.flatten()]
+    flip = (torch.rand(n, generator=g) < 0.5).repeat_interleave(rows.shape[1])
+    x = torch.where(flip[:, None, None, None], x.flip(-1), x)
+    feats = _features(model, x)  # [n * frames, patches, d]
+    swap = torch.tensor([ACTIONS.index("moving right"), ACTIONS.index("moving left")])
+    flip_clip = flip.view(n, -1)[:, 0]
+    lr_move = (y == swap[1]) | (y == swap[0])
+    y = torch.where(flip_clip & lr_move, swap[0] + swap[1] - y, y)
+    return torch.nn.functional.cross_entropy(head(feats.reshape(n, -1)), y)
 
 
 def _features(model: LlavaForConditionalGeneration, pixels: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ COLOURS: dict[str, tuple[int, int, int]] = {
     "black": (15, 15, 15),
 }
 # Object edge length in pixels, as a fraction of a grid cell.
-SIZES: dict[str, float] = {"small": 0.38, "medium": 0.62, "large": 0.9}
+SIZES: dict[str, float] = {"small": 0.48, "medium": 0.68, "large": 0.9}
 # A 3x3 grid: POSITIONS[row * 3 + col].
 POSITIONS: tuple[str, ...] = (
     "top left", "top", "top right",
