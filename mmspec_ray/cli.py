@@ -102,6 +102,22 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
                      "(--target toy-s) or call mmspec_ray.training.generate_features / train_eagle2 from Python")
 
 
+def _assistant(spec: str, target: str):
+    """The HF assisted-generation peer's small model: a checkpoint dir, or 'auto' (a grown toy target's source)."""
+    from transformers import AutoModelForImageTextToText
+
+    from mmspec_ray.toy.model import TOY_SIZES
+
+    if spec == "auto":
+        small = TOY_SIZES[target].grown_from if target in TOY_SIZES else ""
+        if not small:
+            return None
+        from mmspec_ray.toy.build import build_toy
+
+        spec = str(build_toy(small).target)
+    return AutoModelForImageTextToText.from_pretrained(spec).eval() if spec else None
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
     from mmspec_ray.bench.run import BenchConfig, run_bench, write_results
     from mmspec_ray.spec.tree import TreeConfig
@@ -117,7 +133,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
                       tree=TreeConfig(top_k=a.tree_top_k, depth=a.tree_depth, total_tokens=a.tree_tokens))
     tasks = tuple(a.tasks.split(",")) if a.tasks else None
     requests = list(toy_requests(world, "test", a.prompts, seed=a.seed, tasks=tasks))
-    res = run_bench(target, requests, drafter, cfg)
+    res = run_bench(target, requests, drafter, cfg, assistant=_assistant(a.assistant, a.target))
     res["command"] = "mmspec " + " ".join(sys.argv[1:])
     out = write_results(res, a.out, f"{a.target}: {len(requests)} held-out prompts, max_new_tokens {a.max_new_tokens}")
     print((out / "bench.md").read_text())
@@ -173,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     be = sub.add_parser("bench", help="AR vs drafters vs HF peers on held-out toy prompts (JSON + markdown)")
     be.add_argument("--target", default="toy-s", choices=["toy-s", "toy-m"])
     be.add_argument("--drafter", default="eagle2", help="eagle2 (the toy world's), a checkpoint dir, or ''")
+    be.add_argument("--assistant", default="auto",
+                    help="small model for the HF assisted-generation peer: a checkpoint dir, '' for none, or auto "
+                         "(toy-m: toy-s, the model it was grown from)")
     be.add_argument("--prompts", type=int, default=12)
     be.add_argument("--tasks", default="", help="comma-separated toy tasks to draw prompts from (default: all)")
     be.add_argument("--max-new-tokens", type=int, default=128)

@@ -16,7 +16,8 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from mmspec_ray.media import load_image, load_video
 from mmspec_ray.targets.hf import chat_inputs
-from mmspec_ray.toy.build import SPLITS, ToyWorld, build_world, corpus, sample_splits, write_data
+from mmspec_ray.toy.build import SPLITS, ToyWorld, build_world, corpus, grow_world, sample_splits, write_data
+from mmspec_ray.toy.grow import grow_llava
 from mmspec_ray.toy.model import TOY_SIZES, build_model, build_processor
 from mmspec_ray.toy.quality import is_degenerate, parse_objects
 from mmspec_ray.toy.text import detailed
@@ -142,3 +143,32 @@ def test_build_world_is_idempotent_and_deterministic(tmp_path: Path) -> None:
     assert d1 == d2, "same seed must give byte-identical weights and processor files"
     model = AutoModelForImageTextToText.from_pretrained(w1.target)
     assert model.config.model_type == "llava"
+
+
+def test_grow_preserves_the_function_and_adds_real_width_and_depth(tmp_path: Path) -> None:
+    """toy-m is grown from toy-s: at zero noise the grown model's logits equal the small one's; with the default
+    noise the weights are no longer copies (full-rank blocks) and greedy choices stay the same on real inputs."""
+    w = build_world(MICRO, seed=3, root=tmp_path / "s")
+    small = AutoModelForImageTextToText.from_pretrained(w.target).eval()
+    proc = AutoProcessor.from_pretrained(w.target)
+    img = load_image(str(next((w.data / "images" / "test").iterdir())))
+    inputs = chat_inputs(proc, "Describe the image briefly.", [img])
+    exact = grow_llava(small, 3, 2, noise=0.0, new_layer_out_std=0.0)
+    t = exact.config.text_config
+    assert (t.hidden_size, t.num_hidden_layers, t.num_attention_heads) == (3 * 64, 2 * 2, 3 * 2)
+    with torch.no_grad():
+        ref = small(**inputs).logits
+        assert torch.allclose(exact(**inputs).logits, ref, atol=1e-4, rtol=0)
+        noisy = grow_llava(small, 3, 2)
+        got = noisy(**inputs).logits
+    assert not torch.allclose(got, ref, atol=1e-4, rtol=0)  # the noise is really there
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+    q = noisy.model.language_model.layers[0].self_attn.q_proj.weight
+    assert torch.linalg.matrix_rank(q).item() > 2 * 64  # tiled copies alone have rank <= 64
+
+    big_size = dataclasses.replace(MICRO, name="toy-micro-m", grown_from="toy-micro", grow_width=2, grow_depth=2)
+    m = grow_world(big_size, w, 3, tmp_path / "m")
+    assert (m.root / ".complete").exists() and m.examples("test").exists()
+    loaded = AutoModelForImageTextToText.from_pretrained(m.target)
+    assert loaded.config.text_config.hidden_size == 128 and loaded.config.text_config.num_hidden_layers == 4
+    assert AutoProcessor.from_pretrained(m.target)(text="a red circle")["input_ids"]

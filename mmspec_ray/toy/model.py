@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from transformers import (
@@ -39,18 +40,22 @@ class ToySize:
     lr: float
     vision_steps: int = 600  # stage-1 vision pretraining steps (per-cell attribute classification)
     video_frames: int = 4  # frames the target sees per clip (uniformly sampled)
+    grown_from: str = ""  # if set: not trained, but grown from this (trained) size by toy.grow (same data)
+    grow_width: int = 1
+    grow_depth: int = 1
 
 
 TOY_SIZES: dict[str, ToySize] = {
     "toy-s": ToySize("toy-s", image_size=96, patch_size=32, vision_hidden=128, vision_layers=2,
                      text_hidden=192, text_layers=4, text_heads=4, text_kv_heads=2,
-                     train_scenes=3000, train_clips=1200, eval_scenes=200, eval_clips=100,
-                     epochs=2.5, batch_size=32, lr=2e-3),
-    "toy-m": ToySize("toy-m", image_size=96, patch_size=16, vision_hidden=192, vision_layers=3,
-                     text_hidden=768, text_layers=8, text_heads=12, text_kv_heads=4,
-                     train_scenes=6000, train_clips=2400, eval_scenes=300, eval_clips=150,
-                     epochs=3.0, batch_size=32, lr=1e-3),
+                     train_scenes=4000, train_clips=2400, eval_scenes=200, eval_clips=100,
+                     epochs=2.0, batch_size=32, lr=2e-3, vision_steps=800),
 }
+# toy-m: toy-s grown 4x wider and 3x deeper (toy/grow.py): d = 768, 12 layers, ~80 M parameters, an AR step of
+# >= 20 ms on a CPU core. Trained from scratch at this size the build would take many hours on 2 CPU cores.
+TOY_SIZES["toy-m"] = dataclasses.replace(TOY_SIZES["toy-s"], name="toy-m", grown_from="toy-s", grow_width=4,
+                                         grow_depth=3, text_hidden=768, text_layers=12, text_heads=16,
+                                         text_kv_heads=8)
 
 
 def tokens_per_image(size: ToySize) -> int:
