@@ -29,3 +29,19 @@ def test_bench_records_every_method_and_token_counts_agree(tmp_path):
     assert oracle["tokens_per_forward"] > 2.0 and 0 < oracle["efficiency"]
     md = to_markdown(res, "tiny")
     assert "| oracle |" in md and "T = 1.0" in md
+
+
+def test_cost_profile_measures_ar_steps_and_each_tree_size_and_leaves_the_target_clean():
+    from mmspec_ray.bench.costs import ar_step_seconds, verify_seconds
+    from mmspec_ray.config import SamplingParams
+    from mmspec_ray.spec.engine import AREngine
+
+    target = wrap(*tiny_llava())
+    req = Request(prompt="describe the image", images=tuple(random_images(1, seed=0)))
+    before = AREngine(target).generate(req, SamplingParams(), max_new_tokens=6).token_ids
+    steps = ar_step_seconds(target, [req], new_tokens=4)
+    costs = verify_seconds(target, req, (1, 3, 5), repeats=3)
+    assert len(steps) == 1 and steps[0] > 0
+    assert sorted(costs) == [1, 3, 5] and all(v > 0 for v in costs.values())
+    # the profile's verify forwards are rolled back: the target still decodes the same answer afterwards
+    assert AREngine(target).generate(req, SamplingParams(), max_new_tokens=6).token_ids == before

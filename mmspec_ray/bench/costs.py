@@ -1,0 +1,74 @@
+"""Target cost profile: AR decode step time, and verify-forward time against the number of tree tokens.
+
+Why: on a CPU a verify forward of n tokens is not almost free as on a GPU, so the best tree size depends on the
+machine; this profile is the evidence behind the tree settings in docs/benchmarks.md (docs/toy.md records it).
+`python -m mmspec_ray.bench.costs --target toy-m --threads 1`
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from mmspec_ray.config import SamplingParams
+from mmspec_ray.spec.engine import AREngine
+from mmspec_ray.targets.base import Request, VLMTarget
+
+
+def ar_step_seconds(target: VLMTarget, requests: list[Request], new_tokens: int = 64) -> list[float]:
+    """Per request: the AR engine's target time per decode step (after a warm-up run)."""
+    ar = AREngine(target)
+    out = []
+    for req in requests:
+        ar.generate(req, SamplingParams(), max_new_tokens=8)
+        st = ar.generate(req, SamplingParams(), max_new_tokens=new_tokens).stats
+        out.append(st.verify_s / max(1, st.cycles))
+    return out
+
+
+def verify_seconds(target: VLMTarget, request: Request, sizes: tuple[int, ...], repeats: int = 7) -> dict[int, float]:
+    """Median time of one verify forward of a chain of n random tokens after the prompt, for each n in sizes."""
+    vocab = target.model.get_output_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    res = {}
+    for n in sizes:
+        times = []
+        for _ in range(repeats):
+            target.prefill(target.encode(request))
+            tokens = torch.randint(0, vocab, (n,), generator=g)
+            ancestors = torch.tril(torch.ones(n, n, dtype=torch.bool))
+            t0 = time.perf_counter()
+            target.verify(tokens, ancestors, torch.arange(n))
+            times.append(time.perf_counter() - t0)
+            target.commit([])
+        res[n] = statistics.median(times[2:])  # the first two are warm-ups
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mmspec_ray.targets.registry import load_target
+    from mmspec_ray.toy.build import build_toy
+    from mmspec_ray.toy.prompts import toy_requests
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="toy-m", choices=["toy-s", "toy-m"])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--sizes", default="1,4,8,16,24,32,48")
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    world = build_toy(a.target)
+    target = load_target(world.target)
+    reqs = list(toy_requests(world, "test", 4, seed=0))
+    steps = ar_step_seconds(target, reqs)
+    print(f"{a.target}, {a.threads} thread(s): AR step ms per prompt {[round(1e3 * s, 1) for s in steps]}, "
+          f"median {1e3 * statistics.median(steps):.1f}")
+    v = verify_seconds(target, reqs[0], tuple(int(x) for x in a.sizes.split(",")))
+    print("verify forward: " + ", ".join(f"n={n}: {1e3 * s:.1f} ms ({s / v[min(v)]:.2f}x)" for n, s in v.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
