@@ -129,7 +129,7 @@ def build_world(size: ToySize, seed: int, root: Path, force: bool = False) -> To
     staged = ToyWorld(tmp)
     rng = np.random.default_rng(seed)
     scenes, clips = sample_splits(size, rng)
-    write_data(staged, scenes, clips, seed)
+    write_data(staged, scenes, clips, seed, size.train_questions)
     timings["data_s"] = time.time() - t0
     t1 = time.time()
     tokenizer = train_tokenizer(corpus(staged))
@@ -187,8 +187,11 @@ def _unique(draw, n: int, seen: set) -> list:
     return out
 
 
-def write_data(world: ToyWorld, scenes: dict[str, list[Scene]], clips: dict[str, list[Clip]], seed: int) -> None:
-    """Images as PNG/JPEG, clips as mp4, examples as parquet, clip annotations as a Kinetics-style CSV."""
+def write_data(world: ToyWorld, scenes: dict[str, list[Scene]], clips: dict[str, list[Clip]], seed: int,
+               train_questions: int = 2) -> None:
+    """Images as PNG/JPEG, clips as mp4, examples as parquet, clip annotations as a Kinetics-style CSV.
+
+    `train_questions`: questions / instructions per train scene (held-out splits always get 2)."""
     size = 96
     for split in SPLITS:
         rng = np.random.default_rng([seed, SPLITS.index(split)])
@@ -203,7 +206,7 @@ def write_data(world: ToyWorld, scenes: dict[str, list[Scene]], clips: dict[str,
             (world.data / rel).write_bytes(encode_image(render_scene(sc, size), fmt))
             meta = json.dumps({"objects": [asdict(o) for o in sc.objects], "background": sc.background,
                                "tone": sc.tone})
-            for j, ex in enumerate(scene_examples(sc, rng)):
+            for j, ex in enumerate(scene_examples(sc, rng, train_questions if split == "train" else 2)):
                 rows.append({"id": f"{split}-s{i:05d}-{j}", "media_type": "image", "media_path": rel,
                              "task": ex.task, "prompt": ex.prompt, "answer": ex.answer, "meta": meta})
         csv = ["label,youtube_id,time_start,time_end,split"]

@@ -40,6 +40,7 @@ class ToySize:
     lr: float
     vision_steps: int = 600  # stage-1 vision pretraining steps (per-cell attribute classification)
     video_frames: int = 4  # frames the target sees per clip (uniformly sampled)
+    train_questions: int = 2  # questions / instructions per train scene (besides its caption and description)
     grown_from: str = ""  # if set: not trained, but grown from this (trained) size by toy.grow (same data)
     grow_width: int = 1
     grow_depth: int = 1
