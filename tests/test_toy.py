@@ -16,7 +16,8 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from mmspec_ray.media import load_image, load_video
 from mmspec_ray.targets.hf import chat_inputs
-from mmspec_ray.toy.build import SPLITS, ToyWorld, build_world, corpus, grow_world, sample_splits, write_data
+from mmspec_ray.toy.build import (BUILD_VERSION, SPLITS, ToyWorld, build_world, corpus, grow_world, sample_splits,
+                                   world_dir, write_data)
 from mmspec_ray.toy.grow import grow_llava
 from mmspec_ray.toy.model import TOY_SIZES, build_model, build_processor
 from mmspec_ray.toy.quality import is_degenerate, parse_objects
@@ -172,3 +173,12 @@ def test_grow_preserves_the_function_and_adds_real_width_and_depth(tmp_path: Pat
     loaded = AutoModelForImageTextToText.from_pretrained(m.target)
     assert loaded.config.text_config.hidden_size == 128 and loaded.config.text_config.num_hidden_layers == 4
     assert AutoProcessor.from_pretrained(m.target)(text="a red circle")["input_ids"]
+
+
+def test_a_grown_world_is_cached_under_its_growth_shape(tmp_path: Path) -> None:
+    """Changing toy-m's growth shape must not reuse a world grown with another shape."""
+    m, s = world_dir("toy-m", 0, tmp_path), world_dir("toy-s", 0, tmp_path)
+    size = TOY_SIZES["toy-m"]
+    assert m.name.endswith(f"-w{size.grow_width}d{size.grow_depth}") and s.name == f"toy-s-seed0-v{BUILD_VERSION}"
+    assert size.text_hidden == TOY_SIZES["toy-s"].text_hidden * size.grow_width
+    assert size.text_layers == TOY_SIZES["toy-s"].text_layers * size.grow_depth

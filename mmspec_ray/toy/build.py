@@ -68,7 +68,10 @@ class ToyWorld:
 
 
 def world_dir(name: str, seed: int, home: Path | None = None) -> Path:
-    return (home or mmspec_home()) / "toy" / f"{name}-seed{seed}-v{BUILD_VERSION}"
+    """Cache folder of a toy world; a grown world's name carries its growth shape (a new shape is a new world)."""
+    size = TOY_SIZES.get(name)
+    grown = f"-w{size.grow_width}d{size.grow_depth}" if size is not None and size.grown_from else ""
+    return (home or mmspec_home()) / "toy" / f"{name}-seed{seed}-v{BUILD_VERSION}{grown}"
 
 
 def build_toy(name: str = "toy-s", seed: int = 0, home: Path | None = None, force: bool = False) -> ToyWorld:

@@ -52,11 +52,15 @@ TOY_SIZES: dict[str, ToySize] = {
                      train_scenes=4000, train_clips=2400, eval_scenes=200, eval_clips=100,
                      epochs=2.0, batch_size=32, lr=2e-3, vision_steps=800),
 }
-# toy-m: toy-s grown 4x wider and 3x deeper (toy/grow.py): d = 768, 12 layers, ~80 M parameters, an AR step of
-# >= 20 ms on a CPU core. Trained from scratch at this size the build would take many hours on 2 CPU cores.
-TOY_SIZES["toy-m"] = dataclasses.replace(TOY_SIZES["toy-s"], name="toy-m", grown_from="toy-s", grow_width=4,
-                                         grow_depth=3, text_hidden=768, text_layers=12, text_heads=16,
-                                         text_kv_heads=8)
+# toy-m: toy-s grown 3x wider and 6x deeper (toy/grow.py): d = 576, 24 layers, ~90 M parameters, an AR step of
+# >= 20 ms on a CPU core. Deep and narrow on purpose: an EAGLE drafter is one decoder layer of the target's width,
+# so its cost relative to the target is about 1 / (number of target layers); 24 layers puts that ratio (~5%) where
+# real VLMs have it (LLaVA-1.5-7B: 32 layers, Qwen2.5-VL-7B: 28), while the first toy-m (d = 768, 12 layers) made a
+# draft level cost twice as much relative to the target. Trained from scratch at this size the build would take
+# many hours on 2 CPU cores.
+TOY_SIZES["toy-m"] = dataclasses.replace(TOY_SIZES["toy-s"], name="toy-m", grown_from="toy-s", grow_width=3,
+                                         grow_depth=6, text_hidden=576, text_layers=24, text_heads=12,
+                                         text_kv_heads=6)
 
 
 def tokens_per_image(size: ToySize) -> int:
