@@ -90,6 +90,17 @@ def test_written_media_and_annotations_are_real(tmp_path: Path) -> None:
     assert len(clip.frames) == 4 and 8 <= clip.total_frames <= 16
 
 
+def test_media_are_rendered_at_the_targets_image_size(tmp_path: Path) -> None:
+    """A target that sees 48 px gets 48 px images and clips (nothing resampled on the way in)."""
+    w = ToyWorld(tmp_path)
+    scenes, clips = sample_splits(MICRO, np.random.default_rng(1))
+    write_data(w, scenes, clips, seed=1, image_size=48)
+    rows = pq.read_table(w.examples("test")).to_pylist()
+    img = load_image(str(w.data / next(r for r in rows if r["media_type"] == "image")["media_path"]))
+    clip = load_video(str(w.data / next(r for r in rows if r["media_type"] == "video")["media_path"]), num_frames=2)
+    assert img.size == (48, 48) and clip.frames[0].size == (48, 48)
+
+
 def test_detailed_descriptions_are_long_and_tokenizer_is_deterministic(tmp_path: Path) -> None:
     w = ToyWorld(tmp_path)
     scenes, clips = sample_splits(MICRO, np.random.default_rng(2))

@@ -132,7 +132,7 @@ def build_world(size: ToySize, seed: int, root: Path, force: bool = False) -> To
     staged = ToyWorld(tmp)
     rng = np.random.default_rng(seed)
     scenes, clips = sample_splits(size, rng)
-    write_data(staged, scenes, clips, seed, size.train_questions)
+    write_data(staged, scenes, clips, seed, size.train_questions, size.image_size)
     timings["data_s"] = time.time() - t0
     t1 = time.time()
     tokenizer = train_tokenizer(corpus(staged))
@@ -191,11 +191,12 @@ def _unique(draw, n: int, seen: set) -> list:
 
 
 def write_data(world: ToyWorld, scenes: dict[str, list[Scene]], clips: dict[str, list[Clip]], seed: int,
-               train_questions: int = 2) -> None:
+               train_questions: int = 2, image_size: int = 96) -> None:
     """Images as PNG/JPEG, clips as mp4, examples as parquet, clip annotations as a Kinetics-style CSV.
 
-    `train_questions`: questions / instructions per train scene (held-out splits always get 2)."""
-    size = 96
+    `train_questions`: questions / instructions per train scene (held-out splits always get 2);
+    `image_size`: rendered side in pixels (the target's input size, so nothing is lost to resampling)."""
+    size = image_size
     for split in SPLITS:
         rng = np.random.default_rng([seed, SPLITS.index(split)])
         rows: list[dict] = []
