@@ -196,7 +196,6 @@ def write_data(world: ToyWorld, scenes: dict[str, list[Scene]], clips: dict[str,
 
     `train_questions`: questions / instructions per train scene (held-out splits always get 2);
     `image_size`: rendered side in pixels (the target's input size, so nothing is lost to resampling)."""
-    size = image_size
     for split in SPLITS:
         rng = np.random.default_rng([seed, SPLITS.index(split)])
         rows: list[dict] = []
@@ -207,7 +206,7 @@ def write_data(world: ToyWorld, scenes: dict[str, list[Scene]], clips: dict[str,
         for i, sc in enumerate(tqdm(scenes[split], desc=f"render {split} scenes", unit="scene")):
             fmt = "JPEG" if rng.random() < 0.3 else "PNG"
             rel = f"images/{split}/scene{i:05d}.{'jpg' if fmt == 'JPEG' else 'png'}"
-            (world.data / rel).write_bytes(encode_image(render_scene(sc, size), fmt))
+            (world.data / rel).write_bytes(encode_image(render_scene(sc, image_size), fmt))
             meta = json.dumps({"objects": [asdict(o) for o in sc.objects], "background": sc.background,
                                "tone": sc.tone})
             for j, ex in enumerate(scene_examples(sc, rng, train_questions if split == "train" else 2)):
@@ -216,7 +215,7 @@ def write_data(world: ToyWorld, scenes: dict[str, list[Scene]], clips: dict[str,
         csv = ["label,youtube_id,time_start,time_end,split"]
         for i, cl in enumerate(tqdm(clips[split], desc=f"render {split} clips", unit="clip")):
             rel = f"clips/{split}/{cl.filename}"
-            (world.data / rel).write_bytes(encode_mp4(render_clip(cl, size)))
+            (world.data / rel).write_bytes(encode_mp4(render_clip(cl, image_size)))
             csv.append(f'"{cl.action}",{cl.youtube_id},{cl.time_start},{cl.time_end},{split}')
             meta = json.dumps(asdict(cl))
             for j, ex in enumerate(clip_examples(cl, rng)):
