@@ -26,9 +26,9 @@ from mmspec_ray.toy.clips import Clip, encode_mp4, render_clip, sample_clip
 from mmspec_ray.toy.model import TOY_SIZES, ToySize, build_model, build_processor, tokens_per_image
 from mmspec_ray.toy.scenes import Scene, encode_image, render_scene, sample_scene
 from mmspec_ray.toy.text import clip_examples, scene_examples
-from mmspec_ray.toy.tokenizer import train_tokenizer
+from mmspec_ray.toy.tokenizer import IMAGE, train_tokenizer
 from mmspec_ray.toy.vocab import ACTIONS, COLOURS, SHAPES, SIZES
-from mmspec_ray.toy.train import ClipLabels, make_item, pretrain_vision, train_target
+from mmspec_ray.toy.train import ClipLabels, make_item, pack_items, pretrain_vision, train_target
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "validation", "test")
@@ -143,11 +143,13 @@ def build_world(size: ToySize, seed: int, root: Path, force: bool = False) -> To
     timings["prepare_s"] = time.time() - t1
     t2 = time.time()
     vision_acc = pretrain_vision(model, pixels[scene_rows], cell_labels, steps=size.vision_steps,
-                                 batch_size=128, lr=size.lr, seed=seed, clips=clip_labels)
+                                 batch_size=128, lr=size.lr, seed=seed, clips=clip_labels,
+                                 weights=size.vision_loss_weights)
     timings["vision_s"] = time.time() - t2
     t3 = time.time()
-    losses = train_target(model, items, pixels, epochs=size.epochs, batch_size=size.batch_size, lr=size.lr,
-                          seed=seed, pad_id=tokenizer.pad_token_id)
+    groups = pack_items(items, tokenizer.convert_tokens_to_ids(IMAGE))
+    losses = train_target(model, groups, pixels, epochs=size.epochs, video_epochs=size.video_epochs,
+                          batch_size=size.batch_size, lr=size.lr, seed=seed, pad_id=tokenizer.pad_token_id)
     timings["train_s"] = time.time() - t3
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -259,7 +261,8 @@ def training_items(world: ToyWorld, size: ToySize, processor):
                 actions.append(ACTIONS.index(json.loads(row["meta"])["action"]))
             frames += imgs
     pixels = processor.image_processor(images=frames, return_tensors="pt")["pixel_values"]
-    items = [make_item(processor, ntok, r["prompt"], r["answer"], tuple(bank[r["media_path"]])) for r in t]
+    items = [make_item(processor, ntok, r["prompt"], r["answer"], tuple(bank[r["media_path"]]),
+                       r["media_type"] == "video") for r in t]
     clips = ClipLabels(pixels, torch.tensor(clip_rows), torch.tensor(actions))
     return items, pixels, torch.stack(labels), torch.tensor(scene_rows), clips
 

@@ -39,6 +39,8 @@ class ToySize:
     batch_size: int
     lr: float
     vision_steps: int = 600  # stage-1 vision pretraining steps (per-cell attribute classification)
+    vision_loss_weights: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0)  # stage 1: colour, shape, size, clip action
+    video_epochs: float | None = None  # stage-2 passes over the clips' examples (None: `epochs`)
     video_frames: int = 4  # frames the target sees per clip (uniformly sampled)
     train_questions: int = 2  # questions / instructions per train scene (besides its caption and description)
     grown_from: str = ""  # if set: not trained, but grown from this (trained) size by toy.grow (same data)
