@@ -18,9 +18,12 @@ from mmspec_ray.media import load_image, load_video
 from mmspec_ray.targets.hf import chat_inputs
 from mmspec_ray.toy.build import (BUILD_VERSION, SPLITS, ToyWorld, build_world, corpus, grow_world, sample_splits,
                                    world_dir, write_data)
+from mmspec_ray.toy.clips import Clip, encode_mp4, render_clip, sample_clip
 from mmspec_ray.toy.grow import grow_llava
+from mmspec_ray.toy.media_jobs import encode_media, load_media, parallel_map
 from mmspec_ray.toy.model import TOY_SIZES, build_model, build_processor
 from mmspec_ray.toy.quality import is_degenerate, parse_objects
+from mmspec_ray.toy.scenes import sample_scene
 from mmspec_ray.toy.text import detailed
 from mmspec_ray.toy.tokenizer import train_tokenizer
 from mmspec_ray.toy.vocab import ACTIONS, COLOURS, SHAPES
@@ -28,7 +31,7 @@ from mmspec_ray.toy.vocab import ACTIONS, COLOURS, SHAPES
 MICRO = dataclasses.replace(
     TOY_SIZES["toy-s"], name="toy-micro", vision_hidden=32, vision_layers=1, text_hidden=64, text_layers=2,
     text_heads=2, text_kv_heads=1, train_scenes=24, train_clips=10, eval_scenes=6, eval_clips=4, epochs=1.0,
-    batch_size=8, lr=1e-3)
+    batch_size=8, lr=1e-3, vision_steps=800)
 
 
 def _tree_digest(root: Path) -> dict[str, str]:
@@ -49,6 +52,33 @@ def test_data_is_deterministic_by_seed(tmp_path: Path) -> None:
     s2, c2 = sample_splits(MICRO, np.random.default_rng(8))
     write_data(other, s2, c2, seed=8)
     assert _tree_digest(other.data) != digests[0]
+
+
+def test_media_work_in_worker_processes_matches_in_process(tmp_path: Path) -> None:
+    """The build renders, encodes and decodes media in 2 spawned workers: same bytes and frames, in order."""
+    rng = np.random.default_rng(3)
+    jobs = [(sample_scene(rng), "JPEG" if k % 3 == 0 else "PNG", 96) for k in range(100)]
+    jobs += [(sample_clip(rng), "mp4", 96) for _ in range(40)]
+    assert len(jobs) >= 4 * 32  # large enough for parallel_map to use its workers
+    encoded = parallel_map(encode_media, jobs, "encode", "file")
+    assert encoded == [encode_media(j) for j in jobs]
+    loads = []
+    for k, ((_, fmt, _), data) in enumerate(zip(jobs, encoded)):
+        path = tmp_path / f"m{k}.{fmt.lower()}"
+        path.write_bytes(data)
+        loads.append((str(path), "video" if fmt == "mp4" else "image", 4))
+    decoded = parallel_map(load_media, loads, "decode", "file")
+    assert [len(f) for f in decoded] == [4 if kind == "video" else 1 for _, kind, _ in loads]
+    assert all(np.array_equal(np.asarray(a), np.asarray(b))
+               for got, job in zip(decoded, loads) for a, b in zip(got, load_media(job), strict=True))
+
+
+def test_mp4_encoding_is_deterministic() -> None:
+    """Frames with uninitialised row padding gave this clip several different byte strings in 40 encodes."""
+    clip = Clip(shape="cross", colour="white", colour2="white", action="moving right", num_frames=10, tone="sand",
+                seed=66237364, youtube_id="AVLX7vhAYlX", time_start=335, time_end=345)
+    frames = render_clip(clip, 96)
+    assert len({hashlib.sha256(encode_mp4(frames)).hexdigest() for _ in range(40)}) == 1
 
 
 def test_splits_share_no_scene_or_clip() -> None:

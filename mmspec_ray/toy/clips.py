@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import math
-import os
 import string
-import tempfile
 from dataclasses import dataclass
 
 import av
@@ -102,22 +101,37 @@ def render_clip(clip: Clip, size: int = 96) -> list[Image.Image]:
 
 
 def encode_mp4(frames: list[Image.Image], fps: int = 8) -> bytes:
-    """H.264 (yuv420p) mp4 with the index at the front (faststart), as most real clips are stored."""
-    with tempfile.TemporaryDirectory() as tmp:  # faststart rewrites the file, so it needs a real path
-        path = os.path.join(tmp, "clip.mp4")
-        _write_mp4(frames, fps, path)
-        with open(path, "rb") as f:
-            return f.read()
+    """H.264 (yuv420p) mp4 bytes, muxed in memory (index at the end, the muxer's default, as cameras write it).
 
-
-def _write_mp4(frames: list[Image.Image], fps: int, path: str) -> None:
-    with av.open(path, mode="w", format="mp4", options={"movflags": "faststart"}) as out:
+    Deterministic: frames go to x264 with zeroed row padding (see _yuv420_frame), explicit timestamps and one
+    encoder thread, lookahead included (the build encodes in 2 worker processes instead). Without the zeroed padding,
+    or with only the codec context's thread count set to 1, a busy machine got 2-9 different byte strings for one
+    clip in 30-40 encodes."""
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as out:
         stream = out.add_stream("libx264", rate=fps)
         stream.width, stream.height = frames[0].size
         stream.pix_fmt = "yuv420p"
-        stream.options = {"crf": "16", "preset": "fast"}
-        for img in frames:
-            for pkt in stream.encode(av.VideoFrame.from_image(img)):
+        stream.codec_context.thread_count = 1
+        stream.options = {"crf": "16", "preset": "fast", "x264-params": "threads=1:lookahead-threads=1"}
+        for i, img in enumerate(frames):
+            frame = _yuv420_frame(img)
+            frame.pts = i
+            for pkt in stream.encode(frame):
                 out.mux(pkt)
         for pkt in stream.encode():
             out.mux(pkt)
+    return buf.getvalue()
+
+
+def _yuv420_frame(img: Image.Image) -> av.VideoFrame:
+    """`img` as a yuv420p frame whose row padding is zeros. A 96 px frame's 48 px chroma rows are padded to 64
+    bytes, and PyAV leaves that padding uninitialised, which x264 reads (tests/test_toy.py:
+    test_mp4_encoding_is_deterministic)."""
+    src = av.VideoFrame.from_image(img).reformat(format="yuv420p")
+    out = av.VideoFrame(img.width, img.height, "yuv420p")
+    for s, d in zip(src.planes, out.planes):
+        rows = np.zeros((d.height, d.line_size), np.uint8)
+        rows[:, :s.width] = np.frombuffer(bytes(s), np.uint8).reshape(s.height, s.line_size)[:, :s.width]
+        d.update(rows.tobytes())
+    return out

@@ -40,6 +40,8 @@ class ToySize:
     lr: float
     vision_steps: int = 600  # stage-1 vision pretraining steps (per-cell attribute classification)
     vision_loss_weights: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0)  # stage 1: colour, shape, size, clip action
+    vision_clip_batch: int = 32  # stage 1: clips per step for the clip-action head (beside 128 scenes)
+    vision_clip_hidden: int = 0  # stage 1: hidden width of the clip-action head (0: linear)
     video_epochs: float | None = None  # stage-2 passes over the clips' examples (None: `epochs`)
     video_frames: int = 4  # frames the target sees per clip (uniformly sampled)
     train_questions: int = 2  # questions / instructions per train scene (besides its caption and description)
@@ -52,7 +54,9 @@ TOY_SIZES: dict[str, ToySize] = {
     "toy-s": ToySize("toy-s", image_size=96, patch_size=32, vision_hidden=128, vision_layers=2,
                      text_hidden=192, text_layers=4, text_heads=4, text_kv_heads=2,
                      train_scenes=4000, train_clips=2400, eval_scenes=200, eval_clips=100,
-                     epochs=2.0, batch_size=32, lr=2e-3, vision_steps=800),
+                     epochs=2.0, batch_size=32, lr=2e-3, vision_steps=1200,
+                     vision_loss_weights=(1.0, 12.0, 4.0, 6.0), vision_clip_batch=16, vision_clip_hidden=256,
+                     video_epochs=3.0),
 }
 # toy-m: toy-s grown 3x wider and 6x deeper (toy/grow.py): d = 576, 24 layers, ~90 M parameters, an AR step of
 # >= 20 ms on a CPU core. Deep and narrow on purpose: an EAGLE drafter is one decoder layer of the target's width,

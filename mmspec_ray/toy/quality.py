@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -37,6 +37,7 @@ class QualityReport:
     degenerate_frac: float
     eos_frac: float
     mean_detail_tokens: float
+    action_right: dict[str, str] = field(default_factory=dict)  # per action: "right / clips" (which ones fail)
 
     def passed(self) -> bool:
         return (min(self.colour_acc, self.shape_acc, self.count_acc) >= 0.9 and self.action_acc >= 0.8
@@ -79,11 +80,13 @@ def evaluate(target: str | Path, data: str | Path, split: str = "test", max_scen
         col, shp, cnt = col + c, shp + s, cnt + n
         allc += Counter(got) == Counter(truth)
     act = 0
+    per_action: dict[str, list[int]] = {}
     for r in tqdm(clips, desc="gate: clips", unit="clip"):
         action = json.loads(r["meta"])["action"]
         frames = load_video(str(Path(data) / r["media_path"]), nf).frames
         text = tok.decode(greedy(model, processor, "What is happening in the video?", frames, 40))
         act += ACTION_PHRASE[action] in text
+        per_action.setdefault(action, []).append(ACTION_PHRASE[action] in text)
     degen = eos = 0
     lengths = []
     for r in tqdm(scenes[:detail_samples], desc="gate: detail", unit="answer"):
@@ -94,11 +97,13 @@ def evaluate(target: str | Path, data: str | Path, split: str = "test", max_scen
         lengths.append(len(ids))
     ns, nc, nd = max(1, len(scenes)), max(1, len(clips)), max(1, len(lengths))
     return QualityReport(len(scenes), col / ns, shp / ns, cnt / ns, allc / ns, len(clips), act / nc,
-                         len(lengths), degen / nd, eos / nd, sum(lengths) / nd)
+                         len(lengths), degen / nd, eos / nd, sum(lengths) / nd,
+                         {a: f"{sum(v)} / {len(v)}" for a, v in sorted(per_action.items())})
 
 
 def report_markdown(rep: QualityReport, name: str) -> str:
     d = asdict(rep)
+    d.update({f"action right: {a}": v for a, v in d.pop("action_right").items()})
     lines = [f"| metric ({name}) | value |", "|---|---|"] + [f"| {k} | {v:.3f} |" if isinstance(v, float)
                                                              else f"| {k} | {v} |" for k, v in d.items()]
     lines.append(f"| gate passed | {rep.passed()} |")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,12 +37,23 @@ def encode_prompt(processor: LlavaProcessor, n_images: int, prompt: str) -> str:
 def make_item(processor: LlavaProcessor, tokens_per_image: int, prompt: str, answer: str,
               media: tuple[int, ...], video: bool = False) -> TrainItem:
     """Tokenise like the processor does (each <image> expanded to tokens_per_image ids), plus the answer."""
+    return make_items(processor, tokens_per_image, [(prompt, answer, media, video)])[0]
+
+
+def make_items(processor: LlavaProcessor, tokens_per_image: int,
+               examples: list[tuple[str, str, tuple[int, ...], bool]]) -> list[TrainItem]:
+    """make_item for many (prompt, answer, media, video) examples at once: the chat template is rendered once per
+    distinct (number of images, prompt) and the texts are tokenised in batches (the same ids, in less time)."""
     tok = processor.tokenizer
-    text = encode_prompt(processor, len(media), prompt)
-    text = text.replace(tok.image_token, tok.image_token * tokens_per_image)
-    p = tok(text, add_special_tokens=False)["input_ids"]
-    a = tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    return TrainItem(p + a, len(p), media, video)
+    templated: dict[tuple[int, str], str] = {}
+    for prompt, _, media, _ in examples:
+        if (len(media), prompt) not in templated:
+            text = encode_prompt(processor, len(media), prompt)
+            templated[len(media), prompt] = text.replace(tok.image_token, tok.image_token * tokens_per_image)
+    prompts = tok([templated[len(m), p] for p, _, m, _ in examples], add_special_tokens=False)["input_ids"]
+    answers = tok([a for _, a, _, _ in examples], add_special_tokens=False)["input_ids"]
+    return [TrainItem(p + a + [tok.eos_token_id], len(p), media, video)
+            for p, a, (_, _, media, video) in zip(prompts, answers, examples)]
 
 
 @dataclass(frozen=True)
@@ -180,19 +192,24 @@ def train_target(model: LlavaForConditionalGeneration, groups: list[PackedItem],
 
 def pretrain_vision(model: LlavaForConditionalGeneration, pixels: torch.Tensor, labels: torch.Tensor, *,
                     steps: int, batch_size: int, lr: float, seed: int, warmup: int = 30,
-                    clips: ClipLabels | None = None,
-                    weights: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0)) -> float:
+                    clips: ClipLabels | None = None, clip_batch: int = 32, clip_hidden: int = 0,
+                    weights: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0),
+                    probe: Callable[[int, torch.nn.ModuleList], None] | None = None) -> float:
     """Stage 1: teach the vision tower to see (per-cell colour / shape / size) before the language model is trained.
 
     `labels` is [num_images, num_patches, 3] with class ids (0 = empty cell). The heads are thrown away; only the
     tower (and projector) keep what they learnt; train_target then keeps the tower frozen. With `clips`, a second
-    head classifies each clip's action from its frames' features (all tokens of all frames, concatenated), so the
-    frozen features also carry what changes between frames (angle, size, colour, place). Without this stage a
-    toy-sized LLaVA learns the text prior and ignores the pixels. Warm-up + cosine decay + gradient clipping: at a
-    constant 2e-3 the per-cell loss spikes and shape accuracy collapses midway. `weights` scale the colour, shape,
-    size and clip-action losses: shape is learnt last and slowest (colour is near perfect within 400 steps), so weighting it up gives
-    features the language model can bind without errors, in the same number of steps (docs/toy.md). Returns the
-    min per-attribute accuracy on the last batches (empty cells included, so it overstates shape accuracy).
+    head classifies each clip's action from its frames' features (all tokens of all frames, concatenated; `clip_batch`
+    clips per step), so the frozen features also carry what changes between frames (angle, size, colour, place).
+    `clip_hidden` > 0 makes that head an MLP: "the colour / the angle changed" is a comparison between frames, which
+    a linear head cannot express (it reads spinning and colour changes far worse than motion, docs/toy.md).
+    Without this stage a toy-sized LLaVA learns the text prior and ignores the pixels. Warm-up + cosine decay +
+    gradient clipping: at a constant 2e-3 the per-cell loss spikes and shape accuracy collapses midway. `weights`
+    scale the colour, shape, size and clip-action losses: shape is learnt last and slowest (colour is near perfect
+    within 400 steps), so weighting it up gives features the language model can bind without errors in the same
+    number of steps (docs/toy.md). `probe(step, heads)` is called after the last step, before the projector
+    rescale (held-out head accuracy, scripts/toy_stage1_probe.py). Returns the min per-attribute accuracy on the
+    last batches (empty cells included, so it overstates shape accuracy).
     """
     torch.manual_seed(seed)
     tower = model.model.vision_tower
@@ -202,7 +219,9 @@ def pretrain_vision(model: LlavaForConditionalGeneration, pixels: torch.Tensor, 
     heads = torch.nn.ModuleList(torch.nn.Linear(d, n) for n in n_cls)
     if clips is not None:
         n_frames, n_patch = clips.rows.shape[1], labels.shape[1]
-        heads.append(torch.nn.Linear(n_frames * n_patch * d, len(ACTIONS)))
+        n_in = n_frames * n_patch * d
+        heads.append(torch.nn.Linear(n_in, len(ACTIONS)) if not clip_hidden else torch.nn.Sequential(
+            torch.nn.Linear(n_in, clip_hidden), torch.nn.GELU(), torch.nn.Linear(clip_hidden, len(ACTIONS))))
     params = list(tower.parameters()) + list(projector.parameters()) + list(heads.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -224,7 +243,7 @@ def pretrain_vision(model: LlavaForConditionalGeneration, pixels: torch.Tensor, 
         loss = sum(weights[k] * torch.nn.functional.cross_entropy(heads[k](feats).flatten(0, 1), y[..., k].flatten())
                    for k in range(len(n_cls)))
         if clips is not None:
-            loss = loss + weights[3] * _clip_action_loss(model, heads[-1], clips, batch_size // 4, g)
+            loss = loss + weights[3] * _clip_action_loss(model, heads[-1], clips, clip_batch, g)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -234,6 +253,8 @@ def pretrain_vision(model: LlavaForConditionalGeneration, pixels: torch.Tensor, 
             accs.append(float(torch.stack([(heads[k](feats).argmax(-1) == y[..., k]).float().mean()
                                            for k in range(len(n_cls))]).min()))
     tower.eval()
+    if probe is not None:
+        probe(steps, heads)
     # Bring the image tokens to unit RMS per dimension (the stage-1 features are ~100x larger). Not down to the
     # text embeddings' initial norm (~0.3): those grow tenfold within a few hundred steps, and image tokens that
     # small are drowned in the residual stream.
