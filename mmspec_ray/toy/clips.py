@@ -103,10 +103,10 @@ def render_clip(clip: Clip, size: int = 96) -> list[Image.Image]:
 def encode_mp4(frames: list[Image.Image], fps: int = 8) -> bytes:
     """H.264 (yuv420p) mp4 bytes, muxed in memory (index at the end, the muxer's default, as cameras write it).
 
-    Deterministic: frames go to x264 with zeroed row padding (see _yuv420_frame), explicit timestamps and one
-    encoder thread, lookahead included (the build encodes in 2 worker processes instead). Without the zeroed padding,
-    or with only the codec context's thread count set to 1, a busy machine got 2-9 different byte strings for one
-    clip in 30-40 encodes."""
+    Frames go to x264 with zeroed row padding (see _yuv420_frame), explicit timestamps and one encoder thread,
+    lookahead included (the build encodes in 2 worker processes instead). With x264's default threads and PyAV's
+    frames, a busy machine got 2-9 different byte strings for one clip in 30-40 encodes; with these settings mostly
+    one, but x264 still rarely changes a few bits of a clip (docs/toy.md, "Clips and determinism")."""
     buf = io.BytesIO()
     with av.open(buf, mode="w", format="mp4") as out:
         stream = out.add_stream("libx264", rate=fps)
@@ -126,8 +126,7 @@ def encode_mp4(frames: list[Image.Image], fps: int = 8) -> bytes:
 
 def _yuv420_frame(img: Image.Image) -> av.VideoFrame:
     """`img` as a yuv420p frame whose row padding is zeros. A 96 px frame's 48 px chroma rows are padded to 64
-    bytes, and PyAV leaves that padding uninitialised, which x264 reads (tests/test_toy.py:
-    test_mp4_encoding_is_deterministic)."""
+    bytes, and PyAV leaves that padding uninitialised, which x264 reads."""
     src = av.VideoFrame.from_image(img).reformat(format="yuv420p")
     out = av.VideoFrame(img.width, img.height, "yuv420p")
     for s, d in zip(src.planes, out.planes):
