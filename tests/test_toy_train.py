@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mmspec_ray.toy.tokenizer import IMAGE
-from mmspec_ray.toy.train import collate, make_item, pack_items, schedule
+from mmspec_ray.toy.train import collate, make_items, pack_items, schedule
 from tests.tiny import tiny_llava
 
 ANSWERS = ("a large red circle at the top left", "there is one small blue star", "two objects",
@@ -17,13 +17,13 @@ ANSWERS = ("a large red circle at the top left", "there is one small blue star",
 
 def _items(processor, n_media: int, frames: int, rng: np.random.Generator, start: int = 0):
     """3 examples per media item (random prompts and answers from the tiny vocabulary)."""
-    items = []
+    examples = []
     for m in range(n_media):
         media = tuple(range(start + m * frames, start + (m + 1) * frames))
         for _ in range(3):
             prompt = " ".join(rng.choice(["describe", "what", "is", "the", "image", "video"], size=rng.integers(1, 6)))
-            items.append(make_item(processor, 9, prompt, ANSWERS[rng.integers(len(ANSWERS))], media, frames > 1))
-    return items
+            examples.append((prompt, ANSWERS[rng.integers(len(ANSWERS))], media, frames > 1))
+    return make_items(processor, 9, examples)
 
 
 def _answer_nll(model, batch) -> torch.Tensor:
@@ -55,8 +55,7 @@ def test_packed_rows_give_exactly_the_unpacked_losses() -> None:
 
 def test_examples_of_one_media_must_share_the_prefix() -> None:
     _, processor = tiny_llava()
-    a = make_item(processor, 9, "describe", "red", (0,))
-    b = make_item(processor, 9, "describe", "red", (0,))
+    a, b = make_items(processor, 9, [("describe", "red", (0,), False)] * 2)
     b = type(b)(b.input_ids[:3] + [b.input_ids[3] + 1] + b.input_ids[4:], b.n_prompt, b.media)
     with pytest.raises(ValueError, match="share the prompt"):
         pack_items([a, b], processor.tokenizer.convert_tokens_to_ids(IMAGE))

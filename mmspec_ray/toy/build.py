@@ -17,15 +17,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from tqdm.auto import tqdm
 from transformers import LlavaForConditionalGeneration
 
-from mmspec_ray.media import load_image, load_video
 from mmspec_ray.toy.grow import grow_llava
-from mmspec_ray.toy.clips import Clip, encode_mp4, render_clip, sample_clip
+from mmspec_ray.toy.clips import Clip, sample_clip
 from mmspec_ray.toy.media_jobs import encode_media, load_media, parallel_map
 from mmspec_ray.toy.model import TOY_SIZES, ToySize, build_model, build_processor, tokens_per_image
-from mmspec_ray.toy.scenes import Scene, encode_image, render_scene, sample_scene
+from mmspec_ray.toy.scenes import Scene, sample_scene
 from mmspec_ray.toy.text import clip_examples, scene_examples
 from mmspec_ray.toy.tokenizer import IMAGE, train_tokenizer
 from mmspec_ray.toy.vocab import ACTIONS, COLOURS, SHAPES, SIZES

@@ -34,16 +34,11 @@ def encode_prompt(processor: LlavaProcessor, n_images: int, prompt: str) -> str:
     return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
 
 
-def make_item(processor: LlavaProcessor, tokens_per_image: int, prompt: str, answer: str,
-              media: tuple[int, ...], video: bool = False) -> TrainItem:
-    """Tokenise like the processor does (each <image> expanded to tokens_per_image ids), plus the answer."""
-    return make_items(processor, tokens_per_image, [(prompt, answer, media, video)])[0]
-
-
 def make_items(processor: LlavaProcessor, tokens_per_image: int,
                examples: list[tuple[str, str, tuple[int, ...], bool]]) -> list[TrainItem]:
-    """make_item for many (prompt, answer, media, video) examples at once: the chat template is rendered once per
-    distinct (number of images, prompt) and the texts are tokenised in batches (the same ids, in less time)."""
+    """Tokenise (prompt, answer, media, video) examples like the processor does (each <image> expanded to
+    tokens_per_image ids), plus the answer and eos. The chat template is rendered once per distinct (number of
+    images, prompt) and the texts are tokenised in batches."""
     tok = processor.tokenizer
     templated: dict[tuple[int, str], str] = {}
     for prompt, _, media, _ in examples:
