@@ -30,6 +30,15 @@ class S3Config(BaseModel):
     endpoint_override: str | None = None
     scheme: str = "https"
     region: str | None = None
+    # Transient errors (connection, throttling, 5xx) of media reads are retried with exponential backoff:
+    # `retries` more attempts, waiting retry_base_s, 2x, 4x ... capped at retry_max_s (default ~31 s in all).
+    retries: int = Field(6, ge=0)
+    retry_base_s: float = Field(0.5, ge=0.0)
+    retry_max_s: float = Field(16.0, ge=0.0)
+
+    def backoff(self, attempt: int) -> float:
+        """Seconds to wait before retry number `attempt` (0-based)."""
+        return min(self.retry_max_s, self.retry_base_s * (2 ** attempt))
 
     @classmethod
     def from_env(cls) -> "S3Config":
@@ -51,3 +60,4 @@ class MediaLimits(BaseModel):
     max_image_pixels: int = 64_000_000
     max_video_frames: int = 100_000
     max_video_seconds: float = 4 * 3600.0
+    max_video_pixels: int = 200_000_000  # pixels of all frames kept from one clip (after scaling): ~600 MB RGB

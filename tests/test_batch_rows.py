@@ -16,7 +16,8 @@ from mmspec_ray.batch.decoder import attach_outputs
 from mmspec_ray.batch.rows import OUTPUT_COLUMNS, OUTPUT_SCHEMA, RowError, prepare_row
 from mmspec_ray.batch.sources import kinetics_rows
 from mmspec_ray.batch.stages import keep_ids, prepare_block
-from mmspec_ray.batch.storage import check_ids, locate, scan_output
+from mmspec_ray.batch.output import scan as scan_output
+from mmspec_ray.batch.storage import check_ids, locate
 from mmspec_ray.batch.summary import row_stats, summarize
 from mmspec_ray.config import S3Config, SamplingParams
 from mmspec_ray.drafters.base import load_drafter
@@ -178,15 +179,19 @@ def test_keep_ids_and_check_ids():
 def test_scan_output_drops_torn_parts(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    pq.write_table(pa.table({"id": ["a", "b"], "v": [1, 2]}), out / "p0.parquet")
+    pq.write_table(pa.table({"id": ["a", "b"], "v": [1, 2]}), out / "mmspec-part-ab12_000000.parquet")
     good = io.BytesIO()
     pq.write_table(pa.table({"id": ["c"], "v": [3]}), good)
-    (out / "p1.parquet").write_bytes(good.getvalue()[:-20])  # a write cut off by a crash
+    torn = good.getvalue()[:-20]  # a write cut off by a crash
+    (out / "mmspec-part-ab12_000001.parquet").write_bytes(torn)
+    (out / "users-own.parquet").write_bytes(torn)  # not the job's: never read, never deleted
     (out / "_summary.json").write_text("{}")
     state, table = scan_output(locate(str(out), LOCAL), ["v"])
     assert sorted(state.ids.to_pylist()) == ["a", "b"] and table.column("v").to_pylist() == [1, 2]
-    assert [p.endswith("p1.parquet") for p in state.removed] == [True]
-    assert not (out / "p1.parquet").exists() and (out / "_summary.json").exists()
+    assert [p.endswith("mmspec-part-ab12_000001.parquet") for p in state.removed] == [True]
+    assert not (out / "mmspec-part-ab12_000001.parquet").exists() and (out / "_summary.json").exists()
+    assert (out / "users-own.parquet").read_bytes() == torn
+    assert [p.endswith("users-own.parquet") for p in state.foreign] == [True]
 
 
 def test_summary_counts():

@@ -58,7 +58,12 @@ def build_parser(job: str) -> argparse.ArgumentParser:
     a("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     a("--s3-endpoint", help="S3-compatible endpoint, e.g. http://127.0.0.1:9000 (default: AWS_ENDPOINT_URL)")
     a("--s3-region")
-    a("--overwrite", action="store_true", default=None, help="start over instead of resuming")
+    a("--overwrite", action="store_true", default=None, help="start over: delete this job's earlier output "
+      "(only files it wrote) instead of resuming")
+    a("--retry-errors", help="comma-separated error kinds to decode again on a resume (e.g. internal,crash,"
+      "media.not_found); media.unavailable rows are always retried")
+    a("--max-row-crashes", type=int, help="file a row as error kind `crash` after it killed this many decoders "
+      "(default 2)")
     a("--no-progress-bars", dest="progress_bars", action="store_false", default=None)
     a("--progress-interval", type=float, dest="progress_interval_s")
     a("-v", "--verbose", action="store_true")
@@ -69,7 +74,9 @@ def flag_overrides(a: argparse.Namespace) -> dict[str, Any]:
     """Flags the user gave, nested the way JobSpec is."""
     top = {k: getattr(a, k) for k in ("input", "output", "num_actors", "min_actors", "gpus_per_actor",
                                       "cpus_per_actor", "limit", "rows_per_block", "rows_per_file", "overwrite",
-                                      "progress_bars", "progress_interval_s")}
+                                      "progress_bars", "progress_interval_s", "max_row_crashes")}
+    if a.retry_errors:
+        top["retry_errors"] = [k.strip() for k in a.retry_errors.split(",") if k.strip()]
     dec = {k: getattr(a, k) for k in ("target", "drafter", "max_new_tokens", "temperature", "top_p", "top_k",
                                       "seed", "device", "dtype")}
     dec["default_prompt"] = a.prompt
@@ -147,6 +154,11 @@ def plan(job: str, a: argparse.Namespace) -> tuple[JobSpec, pa.Table | None]:
             raise SystemExit("a Kinetics CSV input needs --clip-root (the folder of <youtube_id>_<start>_<end>.mp4)")
         s3 = S3Config.model_validate(dec["s3"]) if "s3" in dec else S3Config.from_env()
         table = kinetics_rows(data["input"], a.clip_root, dec["default_prompt"], s3)
+        if data.get("output"):
+            from mmspec_ray.batch.storage import check_disjoint, locate
+
+            out = locate(data["output"], s3)
+            check_disjoint(locate(data["input"], s3), out, "annotation CSV")
     if not data.get("output"):
         target_name = Path(dec["target"].rstrip("/")).name
         if target_name == "target":  # a toy world's checkpoint folder: name the world instead
@@ -157,14 +169,27 @@ def plan(job: str, a: argparse.Namespace) -> tuple[JobSpec, pa.Table | None]:
 
 
 def main(argv: list[str] | None, job: str) -> int:
+    """Run a job; a job-level mistake (bad input, output or settings) prints one line and returns 2."""
     a = build_parser(job).parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from mmspec_ray.batch.pipeline import run_job
+    from pydantic import ValidationError
 
-    spec, table = plan(job, a)
-    log.info("job spec:\n%s", spec.to_yaml())
-    summary = run_job(spec, table=table)
+    from mmspec_ray.batch.pipeline import run_job
+    from mmspec_ray.batch.storage import JobInputError
+
+    try:
+        spec, table = plan(job, a)
+        log.info("job spec:\n%s", spec.to_yaml())
+        summary = run_job(spec, table=table)
+    except JobInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        print(f"error: job setting {where}: {first['msg']} (got {first.get('input')!r})", file=sys.stderr)
+        return 2
     print(json.dumps(summary, indent=2, default=str))
     return 0 if summary["complete"] else 1
 

@@ -17,7 +17,7 @@ import pyarrow as pa
 import torch
 
 from mmspec_ray.batch.rows import (ERROR_COL, ERROR_KIND_COL, INTERNAL_COLUMNS, OUTPUT_SCHEMA, REQUEST_COL,
-                                   RowError, error_output, prepare_row)
+                                   RowError, error_output, prepare_row, resolve_image_side)
 from mmspec_ray.batch.spec import DecodeConfig
 from mmspec_ray.drafters.base import load_drafter
 from mmspec_ray.spec.engine import SpecEngine
@@ -41,9 +41,10 @@ def resolve_device(cfg: DecodeConfig) -> tuple[str, torch.dtype]:
 class SpecDecoder:
     """Holds one target and one drafter; `decode(row)` -> output columns, `__call__(block)` -> block + outputs."""
 
-    def __init__(self, config: DecodeConfig | Mapping[str, Any], progress: Any = None) -> None:
-        self.config = config if isinstance(config, DecodeConfig) else DecodeConfig.model_validate(config)
-        cfg = self.config
+    def __init__(self, config: DecodeConfig | Mapping[str, Any], progress: Any = None,
+                 max_row_crashes: int | None = None) -> None:
+        cfg = config if isinstance(config, DecodeConfig) else DecodeConfig.model_validate(config)
+        self.config = cfg = resolve_image_side(cfg)
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
         self.device, self.dtype = resolve_device(cfg)
@@ -52,6 +53,7 @@ class SpecDecoder:
         self.drafter = load_drafter(cfg.drafter, self.target, device=self.device)
         self.engine = SpecEngine(self.target, self.drafter, cfg.tree)
         self.progress = progress  # optional ProgressTracker actor handle
+        self.max_row_crashes = max_row_crashes  # with `progress`: file a row that killed this many decoders
         self.load_seconds = time.perf_counter() - t0
         log.info("decoder ready: target %s (%s, %s), drafter %s, %.1f s", cfg.target, self.device, self.dtype,
                  cfg.drafter, self.load_seconds)
@@ -67,6 +69,26 @@ class SpecDecoder:
 
     def generate(self, request: Request, row_id: Any = None) -> dict[str, Any]:
         """Run the speculative engine on a prepared request; errors become the row's `error`."""
+        died = self._start(row_id)
+        if died:
+            return error_output(f"decoder: the decoder process died {died} times while decoding this row (out of "
+                                "memory or a crash in native code; see the actor logs); filed as an error so the "
+                                "job can finish. Retry with --retry-errors crash", "crash")
+        out = self._generate(request, row_id)
+        if self.progress is not None and self.max_row_crashes:
+            self.progress.finish_row.remote(str(row_id))
+        return out
+
+    def _start(self, row_id: Any) -> int:
+        """Record that this row starts; the number of earlier decoders it killed once that reaches the cap, else 0."""
+        if self.progress is None or not self.max_row_crashes:
+            return 0
+        import ray
+
+        died = ray.get(self.progress.start_row.remote(str(row_id)))
+        return died if died >= self.max_row_crashes else 0
+
+    def _generate(self, request: Request, row_id: Any) -> dict[str, Any]:
         cfg = self.config
         try:
             gen = self.engine.generate(request, cfg.sampling_for(row_id), cfg.max_new_tokens, cfg.stop)

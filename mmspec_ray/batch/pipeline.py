@@ -25,8 +25,11 @@ from mmspec_ray.batch.progress import ProgressPrinter, ProgressTracker
 from mmspec_ray.batch.rows import IMAGE_FIELDS, INTERNAL_COLUMNS, OUTPUT_COLUMNS, VIDEO_FIELDS
 from mmspec_ray.batch.spec import DecodeConfig, JobSpec
 from mmspec_ray.batch.stages import keep_ids, prepare_block
-from mmspec_ray.batch.storage import (SUMMARY_NAME, Location, check_ids, clear_output, input_dataset, locate,
-                                      parquet_files, scan_output, write_json)
+from mmspec_ray.batch.output import OutputState, PartNames, claim, drop_rows
+from mmspec_ray.batch.output import scan as scan_output
+from mmspec_ray.batch.rows import RETRYABLE_KINDS, resolve_image_side
+from mmspec_ray.batch.storage import (SUMMARY_NAME, JobInputError, Location, check_disjoint, check_ids, locate,
+                                      parquet_files, scan_input, write_json)
 from mmspec_ray.batch.summary import SUMMARY_COLUMNS, format_summary, summarize
 
 log = logging.getLogger(__name__)
@@ -36,24 +39,29 @@ def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = Sp
     """Run (or resume) a batch job and return its summary (also written to `<output>/_summary.json`).
 
     `table`: in-memory input rows (e.g. built from a Kinetics CSV) instead of reading `spec.input`.
-    `decoder_cls`: the actor class (a SpecDecoder subclass in tests)."""
+    `decoder_cls`: the actor class (a SpecDecoder subclass in tests).
+    Job-level mistakes raise `JobInputError` before anything is written."""
     t_start = time.time()
     cfg = spec.decode
     out = locate(spec.output, cfg.s3)
     source = None if table is not None else locate(spec.input, cfg.s3)
-    schema, ids = (table.schema, table.column("id")) if table is not None else _scan_input(source)
+    if source is not None:
+        check_disjoint(source, out)
+    schema, ids = (table.schema, table.column("id")) if table is not None else scan_input(source)
     check_columns(schema, cfg, spec.input)
     check_ids(ids, spec.input)
     ids = ids.combine_chunks()
     n_input = len(ids)
     if spec.limit is not None:
         ids = ids.slice(0, spec.limit)
-    if spec.overwrite:
-        clear_output(out)
-    state, _ = scan_output(out)
+    claim(out, cfg.text_settings(), overwrite=spec.overwrite)
+    state, done = scan_output(out, ["error_kind"])
+    retried = _drop_retries(out, state, done, ids, spec)
+    if retried:
+        state, _ = scan_output(out)
     todo = ids.filter(pc.invert(pc.is_in(ids, value_set=state.ids.cast(ids.type))))
-    log.info("job %s -> %s: %d rows, %d already in the output, %d to decode", spec.input, spec.output, len(ids),
-             len(ids) - len(todo), len(todo))
+    log.info("job %s -> %s: %d rows, %d already in the output, %d to decode (%d retried)", spec.input, spec.output,
+             len(ids), len(ids) - len(todo), len(todo), retried)
     t_run = time.time()
     progress = None
     if len(todo):
@@ -63,7 +71,7 @@ def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = Sp
         try:
             with ProgressPrinter(tracker, spec.progress_interval_s):
                 ds.write_parquet(out.ray_path, filesystem=out.fs, min_rows_per_file=spec.rows_per_file,
-                                 ray_remote_args={"num_cpus": spec.cpus_per_task})
+                                 filename_provider=PartNames(), ray_remote_args={"num_cpus": spec.cpus_per_task})
             progress = ray.get(tracker.snapshot.remote())
         except BaseException as e:
             del ds
@@ -72,18 +80,27 @@ def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = Sp
         finally:
             ray.kill(tracker)
     wall = time.time() - t_run
-    _, written = scan_output(out, SUMMARY_COLUMNS)
-    summary = summarize(written, ids, todo, wall, _meta(spec, t_start, state.removed), progress)
+    end_state, written = scan_output(out, SUMMARY_COLUMNS)
+    meta = _meta(spec, t_start, state.removed + end_state.removed, end_state.foreign, retried)
+    summary = summarize(written, ids, todo, wall, meta, progress)
     write_json(out.child(SUMMARY_NAME), summary)
     log.info(format_summary(summary))
     return summary
 
 
-def _scan_input(source: Location) -> tuple[pa.Schema, pa.ChunkedArray]:
-    dataset = input_dataset(source)
-    if "id" not in dataset.schema.names:
-        raise ValueError(f"input {source.uri} has no `id` column; every row needs a unique id (resume keys on it)")
-    return dataset.schema, dataset.to_table(columns=["id"]).column("id")
+def _drop_retries(out: Location, state: OutputState, done: pa.Table | None, ids: pa.Array, spec: JobSpec) -> int:
+    """Take this job's rows that failed with a retryable error kind out of the output, so this run decodes them
+    again (every other row stays as written)."""
+    if done is None:
+        return 0
+    kinds = sorted(set(RETRYABLE_KINDS) | set(spec.retry_errors))
+    hit = pc.and_(pc.is_in(done.column("error_kind"), value_set=pa.array(kinds, pa.string())),
+                  pc.is_in(done.column("id"), value_set=ids.cast(done.column("id").type)))
+    retry = done.filter(hit).column("id").combine_chunks()
+    if not len(retry):
+        return 0
+    log.info("retrying %d rows that failed with error kinds %s", len(retry), kinds)
+    return drop_rows(out, state, retry)
 
 
 def check_columns(schema: pa.Schema, cfg: DecodeConfig, where: str) -> None:
@@ -91,19 +108,20 @@ def check_columns(schema: pa.Schema, cfg: DecodeConfig, where: str) -> None:
     names = set(schema.names)
     clash = sorted(names & set(OUTPUT_COLUMNS + INTERNAL_COLUMNS))
     if clash:
-        raise ValueError(f"input {where} already has output column(s) {clash}; is it a previous job's output? "
-                         "Drop or rename them")
+        raise JobInputError(f"input {where} already has output column(s) {clash}; is it a previous job's output? "
+                            "Drop or rename them")
     if "prompt" not in names and "messages" not in names and cfg.default_prompt is None:
-        raise ValueError(f"input {where} has no `prompt` or `messages` column; add one or set a default prompt")
+        raise JobInputError(f"input {where} has no `prompt` or `messages` column; add one or set a default prompt")
     need = cfg.media.require
     fields = IMAGE_FIELDS if need == "image" else VIDEO_FIELDS if need == "video" else ()
     if fields and not names & set(fields):
-        raise ValueError(f"input {where} has no {' / '.join(fields)} column, but this job needs a {need} per row")
+        raise JobInputError(f"input {where} has no {' / '.join(fields)} column, but this job needs "
+                            f"{'an' if need == 'image' else 'a'} {need} per row")
 
 
 def _decode_config(spec: JobSpec, actor_cpus: float) -> DecodeConfig:
     """The actors' config: device resolved from the pool's GPUs, torch threads matched to the actor's CPUs."""
-    cfg = spec.decode
+    cfg = resolve_image_side(spec.decode)
     update: dict[str, Any] = {}
     if cfg.device == "auto":
         update["device"] = "cuda" if spec.gpus_per_actor > 0 else "cpu"
@@ -133,7 +151,7 @@ def _build(spec: JobSpec, table: pa.Table | None, source: Location | None, todo:
     ds = ds.map_batches(prepare_block, fn_kwargs={"cfg": cfg}, batch_format="pyarrow", batch_size=None, **task)
     return ds.map_batches(
         decoder_cls,
-        fn_constructor_kwargs={"config": cfg, "progress": tracker},
+        fn_constructor_kwargs={"config": cfg, "progress": tracker, "max_row_crashes": spec.max_row_crashes},
         batch_size=spec.rows_per_block,
         batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(min_size=spec.pool_min, max_size=spec.num_actors,
@@ -144,13 +162,14 @@ def _build(spec: JobSpec, table: pa.Table | None, source: Location | None, todo:
     )
 
 
-def _meta(spec: JobSpec, t_start: float, removed: list[str]) -> dict[str, Any]:
+def _meta(spec: JobSpec, t_start: float, removed: list[str], foreign: list[str], retried: int) -> dict[str, Any]:
     d = spec.decode
     return {
         "input": spec.input, "output": spec.output,
         "target": d.target, "drafter": d.drafter, "num_actors": spec.num_actors,
         "gpus_per_actor": spec.gpus_per_actor, "max_new_tokens": d.max_new_tokens, "temperature": d.temperature,
-        "limit": spec.limit,
+        "limit": spec.limit, "settings": d.text_settings(), "retried_rows": retried,
+        "foreign_files": [Path(f).name for f in foreign],
         "started_at": datetime.fromtimestamp(t_start, timezone.utc).isoformat(timespec="seconds"),
         "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "removed_partial_files": [Path(r).name for r in removed],

@@ -1,7 +1,9 @@
 """Progress while a job runs: decoder actors report each block to a tiny tracker actor; the driver logs a line
 every few seconds (rows done of total, errors, output tokens/s, mean accepted tokens per cycle, ETA).
 
-Counts are best effort (a block redone after an actor crash is counted twice); the final summary is exact.
+Counts are best effort (a block redone after an actor crash is counted twice); the final summary is exact. The
+tracker also counts, per row, decodes that started and never finished (the decoder process died), so that a row
+that kills every decoder it reaches is filed as an error instead of being retried forever.
 """
 
 from __future__ import annotations
@@ -27,6 +29,16 @@ class ProgressTracker:
         self.first_s: float | None = None  # when the first block was reported (startup ends)
         self.last_s: float | None = None
         self.first_rows = self.first_tokens = 0
+        self.unfinished: dict[str, int] = {}  # row id -> decodes of it that started and never finished
+
+    def start_row(self, row_id: str) -> int:
+        """A decoder starts `row_id`: returns how many earlier decodes of it died unfinished."""
+        died = self.unfinished.get(row_id, 0)
+        self.unfinished[row_id] = died + 1
+        return died
+
+    def finish_row(self, row_id: str) -> None:
+        self.unfinished.pop(row_id, None)
 
     def report(self, rows: int, errors: int, tokens: int, accepted_sum: float, decode_s: float) -> None:
         self.rows += rows

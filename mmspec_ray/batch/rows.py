@@ -15,6 +15,7 @@ import pyarrow as pa
 
 from mmspec_ray.batch.spec import DecodeConfig
 from mmspec_ray.media import MediaError, load_image, load_video
+from mmspec_ray.media.errors import TRANSIENT_KINDS
 from mmspec_ray.targets.base import Request
 
 IMAGE_FIELDS = ("image", "image_uri")
@@ -39,6 +40,11 @@ REQUEST_COL = "__mmspec_request"
 ERROR_COL = "__mmspec_error"
 ERROR_KIND_COL = "__mmspec_error_kind"
 INTERNAL_COLUMNS = (REQUEST_COL, ERROR_COL, ERROR_KIND_COL)
+
+# Error kinds a re-run of the job decodes again by itself (the media store was unreachable, not the row wrong).
+RETRYABLE_KINDS = tuple(f"media.{k}" for k in TRANSIENT_KINDS)
+MESSAGE_ROLES = ("system", "user", "assistant")
+MEDIA_PARTS = {"image": "image", "video": "video"}
 
 
 class RowError(ValueError):
@@ -69,6 +75,8 @@ def prepare_row(row: Mapping[str, Any], cfg: DecodeConfig) -> Request:
         raise _missing_media(row, IMAGE_FIELDS, "image")
     if need == "video" and not videos:
         raise _missing_media(row, VIDEO_FIELDS, "video")
+    if messages is not None:
+        messages = place_media(messages, len(images), len(videos))
     return Request(prompt=prompt, messages=messages, images=tuple(images), videos=tuple(videos))
 
 
@@ -80,9 +88,7 @@ def _text(row: Mapping[str, Any], cfg: DecodeConfig) -> tuple[str | None, list[d
                 messages = json.loads(messages)
             except json.JSONDecodeError as e:
                 raise RowError("messages", "invalid", f"not valid JSON ({e})") from e
-        if not isinstance(messages, list) or not messages:
-            raise RowError("messages", "invalid", "expected a non-empty list of {role, content} messages")
-        return None, messages
+        return None, check_messages(messages)
     if "prompt" not in row:
         if cfg.default_prompt is None:
             raise RowError("prompt", "missing_field", "no prompt column (and no messages); add one or set "
@@ -117,12 +123,13 @@ def _media(row: Mapping[str, Any], field: str, cfg: DecodeConfig) -> list:
         if by_uri and not item:
             raise RowError(where, "invalid", "is an empty string")
         src = item if by_uri else bytes(item)
+        side = cfg.media.image_side if isinstance(cfg.media.image_side, int) else None
         try:
             if field.startswith("image"):
-                out.append(load_image(src, limits=cfg.media.limits, s3=cfg.s3))
+                out.append(load_image(src, limits=cfg.media.limits, s3=cfg.s3, max_side=side))
             else:
                 clip = load_video(src, num_frames=cfg.media.num_frames, fps=cfg.media.fps,
-                                  limits=cfg.media.limits, s3=cfg.s3)
+                                  limits=cfg.media.limits, s3=cfg.s3, max_side=side)
                 out.append(tuple(clip.frames))
         except MediaError as e:
             raise RowError(where, f"media.{e.kind}", str(e)) from e
@@ -140,3 +147,79 @@ def _missing_media(row: Mapping[str, Any], fields: tuple[str, str], kind: str) -
         return RowError(fields[1], "missing_field", f"this job needs a {kind} per row: add a {fields[0]} (bytes) "
                         f"or {fields[1]} column")
     return RowError(present[-1], "null_field", f"is null; this job needs a {kind} per row")
+
+
+def check_messages(messages: Any) -> list[dict]:
+    """OpenAI-style messages -> a list of {role, content: [parts]}; a plain-string content becomes its text part.
+    Raises RowError naming the first bad element (`messages[1].content[0].type` ...)."""
+    if not isinstance(messages, list) or not messages:
+        raise RowError("messages", "invalid", "expected a non-empty list of {role, content} messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, Mapping):
+            raise RowError(where, "invalid", f"expected a {{role, content}} object, got {type(m).__name__}")
+        if m.get("role") not in MESSAGE_ROLES:
+            raise RowError(f"{where}.role", "invalid", f"is {m.get('role')!r}; expected one of {list(MESSAGE_ROLES)}")
+        content = m.get("content")
+        if isinstance(content, str):
+            parts = [{"type": "text", "text": content}]
+        elif isinstance(content, list) and content:
+            parts = [_check_part(p, f"{where}.content[{j}]") for j, p in enumerate(content)]
+        else:
+            raise RowError(f"{where}.content", "invalid", "expected a string or a non-empty list of parts")
+        out.append({"role": m["role"], "content": parts})
+    return out
+
+
+def _check_part(part: Any, where: str) -> dict:
+    if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
+        raise RowError(where, "invalid", "expected a part like {\"type\": \"text\", \"text\": ...}")
+    kind = part["type"]
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise RowError(f"{where}.text", "invalid", "a text part needs a string `text`")
+        return {"type": "text", "text": part["text"]}
+    if kind in MEDIA_PARTS:
+        return {"type": kind}
+    raise RowError(f"{where}.type", "invalid", f"part type {kind!r} is not supported in batch rows; use text, image "
+                   "or video parts and put the media itself in the image / image_uri / video / video_uri columns")
+
+
+def place_media(messages: list[dict], n_images: int, n_videos: int) -> list[dict]:
+    """Messages whose media parts match the row's media: when they name none, the row's images then clips go at
+    the start of the last user message (where a bare prompt puts them); otherwise the counts must agree."""
+    named = [p["type"] for m in messages for p in m["content"] if p["type"] in MEDIA_PARTS]
+    if not named:
+        if not n_images and not n_videos:
+            return messages
+        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+        if not users:
+            raise RowError("messages", "invalid", "the row carries media but the messages have no user turn")
+        last = users[-1]
+        media = [{"type": "image"}] * n_images + [{"type": "video"}] * n_videos
+        return [dict(m, content=media + m["content"]) if i == last else m for i, m in enumerate(messages)]
+    if named.count("image") != n_images or named.count("video") != n_videos:
+        raise RowError("messages", "invalid", f"the messages name {named.count('image')} image and "
+                       f"{named.count('video')} video part(s) but the row carries {n_images} image(s) and "
+                       f"{n_videos} video(s); name one part per item, or none to put them all first")
+    return messages
+
+
+def resolve_image_side(cfg: DecodeConfig) -> DecodeConfig:
+    """`cfg` with media.image_side "auto" replaced by the target's processor size, read from the checkpoint's
+    processor configs (local or s3://, a few small JSON files; never the weights); None when they say nothing."""
+    if cfg.media.image_side != "auto":
+        return cfg
+    from mmspec_ray.batch.storage import locate, read_json
+    from mmspec_ray.targets.media_size import PROCESSOR_FILES, max_side_of
+
+    root = locate(cfg.target, cfg.s3)
+    configs = []
+    for name in PROCESSOR_FILES:
+        try:
+            configs.append(read_json(root.child(name)))
+        except (OSError, ValueError):
+            continue
+    media = cfg.media.model_copy(update={"image_side": max_side_of(configs)})
+    return cfg.model_copy(update={"media": media})

@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from mmspec_ray.batch.storage import locate
+from mmspec_ray.batch.storage import JobInputError, locate
 from mmspec_ray.config import S3Config
 
 KINETICS_COLUMNS = ("label", "youtube_id", "time_start", "time_end", "split")
@@ -30,11 +30,14 @@ def kinetics_rows(csv_uri: str, clip_root: str, prompt: str, s3: S3Config | None
     opts = pacsv.ConvertOptions(column_types={"youtube_id": pa.string(), "label": pa.string(),
                                               "split": pa.string(), "time_start": pa.int64(),
                                               "time_end": pa.int64()})
-    with loc.fs.open_input_stream(loc.path) as f:
-        t = pacsv.read_csv(f, convert_options=opts)
+    try:
+        with loc.fs.open_input_stream(loc.path) as f:
+            t = pacsv.read_csv(f, convert_options=opts)
+    except (pa.ArrowException, OSError) as e:
+        raise JobInputError(f"annotation CSV {csv_uri}: {' '.join(str(e).split())}") from e
     missing = [c for c in ("youtube_id", "time_start", "time_end") if c not in t.column_names]
     if missing:
-        raise ValueError(f"{csv_uri} is not a Kinetics annotation CSV: missing column(s) {missing} "
+        raise JobInputError(f"{csv_uri} is not a Kinetics annotation CSV: missing column(s) {missing} "
                          f"(expected {','.join(KINETICS_COLUMNS)})")
     root = clip_root.rstrip("/") if clip_root.startswith("s3://") else locate(clip_root, s3).path
     names = [clip_name(y, s, e) for y, s, e in zip(t.column("youtube_id").to_pylist(),

@@ -37,6 +37,10 @@ class MediaSpec(BaseModel):
     require: Literal["image", "video"] | None = Field(
         None, description="every row must carry this media kind (a null one is a row error)")
     limits: MediaLimits = MediaLimits()
+    image_side: int | Literal["auto"] | None = Field(
+        "auto", description="largest side (px) the target's processor uses; images and frames far larger are "
+        "scaled down before they travel to the decoder (see media.image.prescale_size). auto: read from the "
+        "checkpoint's processor config; null: never scale")
 
     @model_validator(mode="after")
     def _one_sampling_rule(self) -> "MediaSpec":
@@ -66,6 +70,13 @@ class DecodeConfig(BaseModel):
     s3: S3Config = Field(default_factory=S3Config.from_env)
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads per decoder (None: leave)")
 
+    def text_settings(self) -> dict:
+        """What decides the output text, recorded in the output's marker: a resume must match it (drafter, tree
+        and sampling knobs may change at temperature 0, where they cannot change the text)."""
+        return self.model_dump(mode="json", include={
+            "target", "drafter", "dtype", "tree", "temperature", "top_p", "top_k", "seed", "max_new_tokens", "stop",
+            "default_prompt", "media"})
+
     def sampling_for(self, row_id: object) -> SamplingParams:
         """Sampling parameters of one row. The seed depends only on (seed, id), so a retried or resumed row
         samples exactly what it would have the first time."""
@@ -93,7 +104,11 @@ class JobSpec(BaseModel):
     rows_per_file: int | None = Field(64, ge=1, description="combine blocks into files of at least this many rows "
                                       "(None: one file per block; rows not yet in a file are redone on resume)")
     limit: int | None = Field(None, ge=1, description="only the first N input rows (stable across re-runs)")
-    overwrite: bool = Field(False, description="delete existing output first instead of resuming")
+    overwrite: bool = Field(False, description="delete the job's existing output first instead of resuming")
+    retry_errors: tuple[str, ...] = Field((), description="error kinds to decode again on a resume, besides the "
+                                          "always-retried transient ones (e.g. internal, crash, media.not_found)")
+    max_row_crashes: int = Field(2, ge=1, description="a row whose decoder process died this many times is filed "
+                                 "as error kind `crash` instead of being retried forever")
     progress_interval_s: float = Field(10.0, gt=0.0)
     progress_bars: bool = True
 

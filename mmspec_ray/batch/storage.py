@@ -1,8 +1,8 @@
 """Where a job reads and writes: local paths or s3:// URIs through an explicit pyarrow filesystem.
 
 S3 always goes through `pyarrow.fs.S3FileSystem` built from `S3Config` (endpoint override, scheme, region);
-credentials come from the standard AWS sources and are never stored or logged. The output directory is also the
-resume checkpoint: the ids in its readable parquet files are the rows already done.
+credentials come from the standard AWS sources and are never stored or logged. Input files are checked up front
+(`scan_input`); what the job may do in its output directory is `batch/output.py`'s business.
 """
 
 from __future__ import annotations
@@ -83,11 +83,69 @@ def parquet_files(loc: Location) -> list[str]:
     return sorted(out)
 
 
-def input_dataset(loc: Location) -> pads.Dataset:
+class JobInputError(ValueError):
+    """A job-level mistake (input, output or settings) found before any decoding: one line, naming what to fix."""
+
+
+def check_disjoint(a: Location, b: Location, what: str = "input", other: str = "output") -> None:
+    """Refuse two locations where one lies inside the other (the same path counts): an output inside the input
+    would be read back as input on the next run, an input inside the output is the job's to clean."""
+    if a.is_s3 != b.is_s3:
+        return
+    pa_, pb = a.path.rstrip("/").split("/"), b.path.rstrip("/").split("/")
+    n = min(len(pa_), len(pb))
+    if pa_[:n] == pb[:n]:
+        raise JobInputError(f"{what} {a.uri} and {other} {b.uri} overlap (one lies inside the other); write the "
+                            f"{other} to a directory outside the {what}")
+
+
+def scan_input(loc: Location) -> tuple[pa.Schema, pa.ChunkedArray]:
+    """The schema and `id` column of an input parquet file or directory, every file checked up front: readable,
+    the same columns with the same types in every file, a string or integer `id`. Errors name the file."""
     files = parquet_files(loc)
     if not files:
-        raise FileNotFoundError(f"no parquet files at {loc.uri}")
-    return pads.dataset(files, filesystem=loc.fs, format="parquet")
+        raise JobInputError(f"no parquet files at {loc.uri}; give a parquet file or a directory of them")
+
+    def schema_of(path: str) -> pa.Schema:
+        try:
+            return pq.read_schema(path, filesystem=loc.fs)
+        except (pa.ArrowException, OSError) as e:
+            raise JobInputError(f"input file {_name(loc, path)} is not readable parquet: {_one_line(e)}") from e
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        schemas = list(pool.map(schema_of, files))
+    first = schemas[0]
+    for path, schema in zip(files[1:], schemas[1:]):
+        missing = [n for n in first.names if n not in schema.names]
+        extra = [n for n in schema.names if n not in first.names]
+        if missing or extra:
+            raise JobInputError(f"input file {_name(loc, path)} has other columns than {_name(loc, files[0])} "
+                                f"(missing {missing}, extra {extra}); every file needs the same columns")
+        for field in schema:
+            want = first.field(field.name).type
+            if field.type != want and not pa.types.is_null(field.type) and not pa.types.is_null(want):
+                raise JobInputError(f"input file {_name(loc, path)}: column {field.name!r} is {field.type} but "
+                                    f"{want} in {_name(loc, files[0])}; cast it to one type in every file")
+    if "id" not in first.names:
+        raise JobInputError(f"input {loc.uri} has no `id` column; every row needs a unique id (resume keys on it)")
+    for path, schema in zip(files, schemas):
+        t = schema.field("id").type
+        if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t)):
+            raise JobInputError(f"input file {_name(loc, path)}: column 'id' is {t}; ids must be strings or "
+                                "integers")
+    try:
+        ids = pads.dataset(files, filesystem=loc.fs, format="parquet").to_table(columns=["id"]).column("id")
+    except (pa.ArrowException, OSError) as e:
+        raise JobInputError(f"cannot read the `id` column of input {loc.uri}: {_one_line(e)}") from e
+    return first, ids
+
+
+def _name(loc: Location, path: str) -> str:
+    return f"s3://{path}" if loc.is_s3 else path
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
 
 
 def check_ids(ids: pa.ChunkedArray | pa.Array, where: str) -> None:
@@ -95,54 +153,13 @@ def check_ids(ids: pa.ChunkedArray | pa.Array, where: str) -> None:
     nulls = ids.null_count
     if nulls:
         first = pc.index(pc.is_null(ids), True).as_py()
-        raise ValueError(f"input {where} has {nulls} rows with a null id (first at row {first}); give every row a "
-                         "unique id")
+        raise JobInputError(f"input {where} has {nulls} rows with a null id (first at row {first}); give every row "
+                            "a unique id")
     counts = pc.value_counts(ids)
     dup = counts.filter(pc.greater(counts.field("counts"), 1))
     if len(dup):
         sample = [d["values"] for d in dup.to_pylist()[:5]]
-        raise ValueError(f"input {where} has {len(dup)} duplicated ids, e.g. {sample}; ids must be unique")
-
-
-@dataclass(frozen=True)
-class OutputState:
-    """What an output directory already holds."""
-
-    files: list[str]
-    ids: pa.Array  # ids of rows already written (duplicates kept, so they can be reported)
-    removed: list[str]  # unreadable parts (a write cut off mid-file) that were deleted
-
-
-def scan_output(loc: Location, columns: list[str] | None = None) -> tuple[OutputState, pa.Table | None]:
-    """Read the output's ids (and `columns`); delete parquet parts that cannot be read, which only a write cut off
-    by a crash leaves behind (S3 never shows a partial object), so that their rows are simply done again."""
-    files = parquet_files(loc)
-    cols = ["id"] + [c for c in (columns or []) if c != "id"]
-
-    def read(path: str) -> pa.Table | None:
-        try:
-            return pq.read_table(path, columns=cols, filesystem=loc.fs)
-        except (pa.ArrowInvalid, OSError) as e:
-            if loc.fs.get_file_info(path).type == pafs.FileType.NotFound:
-                raise
-            log.warning("output part %s is unreadable (%s): deleting it; its rows will be decoded again", path, e)
-            loc.fs.delete_file(path)
-            return None
-
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        tables = list(pool.map(read, files))
-    good = [f for f, t in zip(files, tables) if t is not None]
-    removed = [f for f, t in zip(files, tables) if t is None]
-    parts = [t for t in tables if t is not None]
-    table = pa.concat_tables(parts, promote_options="permissive") if parts else None
-    ids = table.column("id").combine_chunks() if table is not None else pa.array([], type=pa.string())
-    return OutputState(good, ids, removed), table
-
-
-def clear_output(loc: Location) -> None:
-    """Delete an output directory's contents (`--overwrite`)."""
-    if exists(loc):
-        loc.fs.delete_dir_contents(loc.path, missing_dir_ok=True)
+        raise JobInputError(f"input {where} has {len(dup)} duplicated ids, e.g. {sample}; ids must be unique")
 
 
 def write_json(loc: Location, obj: dict) -> None:

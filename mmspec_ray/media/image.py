@@ -19,18 +19,39 @@ _IMAGE_MAGIC = (
 
 
 def load_image(source: bytes | str | os.PathLike, limits: MediaLimits | None = None,
-               s3: S3Config | None = None) -> Image.Image:
-    """Decode `source` (raw bytes, a local path, file:// or s3:// URI). Raises MediaError on any bad input."""
+               s3: S3Config | None = None, max_side: int | None = None) -> Image.Image:
+    """Decode `source` (raw bytes, a local path, file:// or s3:// URI). Raises MediaError on any bad input.
+    `max_side`: scale huge images down first (see `prescale_size`)."""
     limits = limits or MediaLimits()
     if isinstance(source, os.PathLike):
         source = os.fspath(source)
     label = source if isinstance(source, str) else None
     data = read_bytes(source, limits, s3) if isinstance(source, str) else bytes(source)
-    return decode_image_bytes(data, limits, label)
+    return decode_image_bytes(data, limits, label, max_side)
 
 
-def decode_image_bytes(data: bytes, limits: MediaLimits | None = None, label: str | None = None) -> Image.Image:
-    """Decode image bytes fully (no lazy loading), so that every error surfaces here."""
+def prescale_size(w: int, h: int, side: int | None) -> tuple[int, int] | None:
+    """The smaller size to give a processor that works at `side` pixels, or None to keep (w, h): the short edge stays
+    >= side and the long edge >= 2 x side, so the processor still scales down itself; only images far larger than
+    it will ever use shrink (an 8k photo for a 336 px processor becomes 672 px)."""
+    if not side:
+        return None
+    s = max(side / min(w, h), 2 * side / max(w, h))
+    if s >= 1.0:
+        return None
+    return max(1, round(w * s)), max(1, round(h * s))
+
+
+def shrink(img: Image.Image, side: int | None) -> Image.Image:
+    """`img` resized to `prescale_size` (bicubic, as CLIP-style processors resize), or `img` itself."""
+    size = prescale_size(img.width, img.height, side)
+    return img.resize(size, Image.Resampling.BICUBIC, reducing_gap=3.0) if size else img
+
+
+def decode_image_bytes(data: bytes, limits: MediaLimits | None = None, label: str | None = None,
+                       max_side: int | None = None) -> Image.Image:
+    """Decode image bytes fully (no lazy loading), so that every error surfaces here; with `max_side`, huge
+    images are scaled down (JPEG already while decoding) before they are kept."""
     limits = limits or MediaLimits()
     if not data:
         raise MediaError("empty", "image has 0 bytes", label)
@@ -44,6 +65,9 @@ def decode_image_bytes(data: bytes, limits: MediaLimits | None = None, label: st
             w, h = img.size
             if w * h > limits.max_image_pixels:
                 raise MediaError("too_large", f"{w}x{h} pixels > limit {limits.max_image_pixels}", label)
+            small = prescale_size(w, h, max_side)
+            if small and img.format == "JPEG":
+                img.draft("RGB", small)  # decode at 1/2, 1/4 or 1/8 scale: never the full-size bitmap
             img.load()
     except MediaError:
         raise
@@ -60,7 +84,7 @@ def decode_image_bytes(data: bytes, limits: MediaLimits | None = None, label: st
         img = ImageOps.exif_transpose(img)
     except Exception:  # a broken EXIF block must not lose an otherwise good image
         pass
-    return to_rgb(img)
+    return shrink(to_rgb(img), max_side)
 
 
 def to_rgb(img: Image.Image) -> Image.Image:

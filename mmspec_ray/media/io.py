@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import re
+import time
 from functools import lru_cache
 
 from mmspec_ray.config import MediaLimits, S3Config
 from mmspec_ray.media.errors import MediaError
+
+log = logging.getLogger(__name__)
 
 
 @lru_cache(maxsize=8)
@@ -39,13 +44,47 @@ def read_bytes(source: str, limits: MediaLimits | None = None, s3: S3Config | No
         return f.read()
 
 
+# pyarrow / AWS SDK error texts of failures that say nothing about the object: the store was unreachable, slow or
+# briefly failing. Anything else (access denied, no such key, bad request) is final.
+_TRANSIENT = re.compile(r"NETWORK_CONNECTION|SLOW_DOWN|SERVICE_UNAVAILABLE|INTERNAL_FAILURE|THROTTL|REQUEST_TIMEOUT|"
+                        r"curlCode|HTTP status 5\d\d|Connection (?:refused|reset)|timed out|Broken pipe|"
+                        r"Couldn't connect", re.IGNORECASE)
+
+
+def is_transient(e: BaseException) -> bool:
+    """True for an S3 error worth retrying (connection, throttling, 5xx)."""
+    return bool(_TRANSIENT.search(str(e)))
+
+
 def _read_s3(key: str, limits: MediaLimits, cfg: S3Config, source: str) -> bytes:
+    """Read an object, retrying transient errors with backoff; a still-failing one is kind `unavailable`."""
+    for attempt in range(cfg.retries + 1):
+        try:
+            return _read_s3_once(key, limits, cfg, source)
+        except _Transient as e:
+            if attempt == cfg.retries:
+                raise MediaError("unavailable", f"S3 unreachable after {attempt + 1} attempts ({e.__cause__}); the "
+                                 "row is marked retryable: re-run the job to decode it again", source) from e
+            wait = cfg.backoff(attempt)
+            log.warning("S3 read of %s failed (%s); retry %d/%d in %.1f s", source, e.__cause__, attempt + 1,
+                        cfg.retries, wait)
+            time.sleep(wait)
+    raise AssertionError("unreachable")
+
+
+class _Transient(Exception):
+    """Internal: a transient S3 failure, to be retried."""
+
+
+def _read_s3_once(key: str, limits: MediaLimits, cfg: S3Config, source: str) -> bytes:
     from pyarrow import fs
 
     s3fs = s3_filesystem(cfg)
     try:
         info = s3fs.get_file_info(key)
     except OSError as e:
+        if is_transient(e):
+            raise _Transient() from e
         raise MediaError("io", f"S3 error: {e}", source) from e
     if info.type == fs.FileType.NotFound:
         raise MediaError("not_found", "no such S3 object; check bucket and key", source)
@@ -55,4 +94,6 @@ def _read_s3(key: str, limits: MediaLimits, cfg: S3Config, source: str) -> bytes
         with s3fs.open_input_stream(key) as f:
             return f.read()
     except OSError as e:
+        if is_transient(e):
+            raise _Transient() from e
         raise MediaError("io", f"S3 read failed: {e}", source) from e

@@ -13,6 +13,7 @@ from PIL import Image
 
 from mmspec_ray.config import MediaLimits, S3Config
 from mmspec_ray.media.errors import MediaError
+from mmspec_ray.media.image import shrink
 from mmspec_ray.media.io import read_bytes
 
 _VIDEO_MAGIC_AT0 = (b"\x1a\x45\xdf\xa3", b"RIFF", b"FLV", b"OggS", b"\x00\x00\x01\xba", b"\x00\x00\x01\xb3")
@@ -38,14 +39,16 @@ def load_video(
     fps: float | None = None,
     limits: MediaLimits | None = None,
     s3: S3Config | None = None,
+    max_side: int | None = None,
 ) -> VideoClip:
-    """Decode `source` and sample `num_frames` frames uniformly (default 8), or one frame every 1/`fps` s."""
+    """Decode `source` and sample `num_frames` frames uniformly (default 8), or one frame every 1/`fps` s.
+    `max_side`: scale huge frames down as they are decoded (see `media.image.prescale_size`)."""
     limits = limits or MediaLimits()
     if isinstance(source, os.PathLike):
         source = os.fspath(source)
     label = source if isinstance(source, str) else None
     data = read_bytes(source, limits, s3) if isinstance(source, str) else bytes(source)
-    return decode_video_bytes(data, num_frames=num_frames, fps=fps, limits=limits, label=label)
+    return decode_video_bytes(data, num_frames=num_frames, fps=fps, limits=limits, label=label, max_side=max_side)
 
 
 def decode_video_bytes(
@@ -54,8 +57,10 @@ def decode_video_bytes(
     fps: float | None = None,
     limits: MediaLimits | None = None,
     label: str | None = None,
+    max_side: int | None = None,
 ) -> VideoClip:
-    """Decode video bytes. Raises MediaError (empty, too_large, truncated, corrupt, unsupported) on bad input."""
+    """Decode video bytes, keeping only the sampled frames (memory bounded by them, never by the clip's length).
+    Raises MediaError (empty, too_large, truncated, corrupt, unsupported) on bad input."""
     limits = limits or MediaLimits()
     if num_frames is not None and fps is not None:
         raise ValueError("give num_frames or fps, not both")
@@ -91,33 +96,67 @@ def decode_video_bytes(
         declared = int(stream.frames or 0)
         if declared > limits.max_video_frames:
             raise MediaError("too_large", f"{declared} frames > limit {limits.max_video_frames}", label)
-        return _sample(container, stream, declared, duration, rate, num_frames, fps, limits, overrun, label)
+        exact = declared > 0 or num_frames is None
+        if not exact:  # no frame count in the container (MKV, WebM ...): count packets first, decoding nothing
+            declared = count_packets(data)
+        try:
+            return _sample(container, stream, declared, duration, rate, num_frames, fps, limits, overrun, label,
+                           max_side, exact)
+        except _Recount as rc:  # fewer frames decoded than packets counted: sample again over the real count
+            with av.open(io.BytesIO(data), mode="r") as again:
+                s2 = again.streams.video[0]
+                return _sample(again, s2, rc.count, duration, rate, num_frames, fps, limits, overrun, label,
+                               max_side, True)
 
 
-def _sample(container, stream, declared, duration, rate, num_frames, fps, limits, overrun, label) -> VideoClip:
-    """One decoding pass. With a declared frame count, pick indices; otherwise keep frames and pick at the end."""
+class _Recount(Exception):
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+
+def count_packets(data: bytes) -> int:
+    """Frames of the first video stream by demuxing alone (one packet per frame; no decoding, no pixels)."""
+    try:
+        with av.open(io.BytesIO(data), mode="r") as c:
+            return sum(1 for p in c.demux(c.streams.video[0]) if p.size)
+    except (av.FFmpegError, OSError, ValueError, IndexError):
+        return 0
+
+
+def _sample(container, stream, declared, duration, rate, num_frames, fps, limits, overrun, label, max_side,
+            exact) -> VideoClip:
+    """One decoding pass that keeps only the sampled frames: the indices picked from the frame count (declared by
+    the container, or counted from packets when `exact` is False), or one frame every 1/fps s."""
     wanted: set[int] | None = None
     if num_frames is not None and declared > 0:
         wanted = set(uniform_indices(declared, num_frames))
     picked: list[tuple[float, Image.Image]] = []
-    kept: list[tuple[float, av.VideoFrame]] = []
+    pixels = 0
     next_t = 0.0
     count = 0
     error: Exception | None = None
+
+    def keep(t: float, frame) -> None:
+        nonlocal pixels
+        img = shrink(frame.to_image(), max_side)
+        pixels += img.width * img.height
+        if pixels > limits.max_video_pixels:
+            raise MediaError("too_large", f"the {len(picked) + 1} frames sampled so far hold {pixels} pixels > "
+                             f"limit {limits.max_video_pixels}; sample fewer frames (--num-frames, a lower --fps)",
+                             label)
+        picked.append((t, img))
+
     try:
         for frame in container.decode(stream):
             t = float(frame.time) if frame.time is not None else count / (rate or 1.0)
             if wanted is not None:
                 if count in wanted:
-                    picked.append((t, frame.to_image()))
-            elif fps is not None:
-                if t + 1e-6 >= next_t:
-                    picked.append((t, frame.to_image()))
+                    keep(t, frame)
+            elif fps is not None and t + 1e-6 >= next_t:
+                keep(t, frame)
+                next_t += 1.0 / fps
+                while next_t <= t:
                     next_t += 1.0 / fps
-                    while next_t <= t:
-                        next_t += 1.0 / fps
-            else:
-                kept.append((t, frame))
             count += 1
             if count > limits.max_video_frames:
                 raise MediaError("too_large", f"more than {limits.max_video_frames} frames", label)
@@ -127,7 +166,9 @@ def _sample(container, stream, declared, duration, rate, num_frames, fps, limits
         raise
     except (av.FFmpegError, OSError, ValueError) as e:
         error = e
-    got_all = wanted is None or len(picked) == len(wanted)
+    got_all = len(picked) == len(wanted) if wanted is not None else fps is not None
+    if not exact and not got_all and error is None and count:
+        raise _Recount(count)
     if count == 0:
         kind = "truncated" if overrun else "corrupt"
         raise MediaError(kind, f"no decodable frame{': ' + str(error) if error else ''}", label)
@@ -136,10 +177,6 @@ def _sample(container, stream, declared, duration, rate, num_frames, fps, limits
     if not got_all or (overrun and (error is not None or declared > count)):
         kind = "truncated" if (overrun or declared > count) else "corrupt"
         raise MediaError(kind, f"stream ended after {count} of {declared or '?'} frames", label)
-    if wanted is None and fps is None:
-        # Same rule as with a declared count: each frame at most once (asking for more frames yields all of them).
-        idx = sorted(set(uniform_indices(len(kept), num_frames)))
-        picked = [(kept[i][0], kept[i][1].to_image()) for i in idx]
     total = max(declared, count)
     frames = [img.convert("RGB") if img.mode != "RGB" else img for _, img in picked]
     return VideoClip(frames, [t for t, _ in picked], total, duration, rate)

@@ -1,0 +1,195 @@
+"""The job's output directory: what it owns, what it already holds, and what produced it.
+
+Safety rules (a job must never lose a user's data):
+- The job claims an output directory by writing a marker (`_mmspec_job.json`) before anything else; a directory
+  that holds any file but no marker is refused, never written into or cleaned.
+- The job only ever reads back, rewrites or deletes parquet parts named by its own naming (`mmspec-part-*.parquet`,
+  top level) in a directory that carries its marker. Any other file there is left alone and only reported.
+- The marker records the settings that decide the output text; a resume with other settings is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from pyarrow import fs as pafs
+from ray.data.datasource import FilenameProvider
+
+from mmspec_ray.batch.storage import SUMMARY_NAME, JobInputError, Location, exists, read_json, write_json
+
+log = logging.getLogger(__name__)
+
+MARKER_NAME = "_mmspec_job.json"
+PART_PREFIX = "mmspec-part-"
+# `mmspec-part-<base>.parquet`, or `mmspec-part-<base>.fix<N>.parquet`: generation N of that part after a retry
+# rewrote it without the rows being redone. Of one base only the highest generation is live.
+_PART = re.compile(r"^mmspec-part-(?P<base>[A-Za-z0-9_\-]+?)(?:\.fix(?P<gen>\d+))?\.parquet$")
+MARKER_FORMAT = 1
+# Settings that may differ on a resume when decoding is greedy: they change speed (or unused sampling knobs),
+# never the text.
+GREEDY_FREE = ("drafter", "tree", "top_p", "top_k", "seed")
+
+
+class PartNames(FilenameProvider):
+    """Ray Data file names of the job's output parts: `mmspec-part-<write uuid>_<task>.parquet`."""
+
+    def __init__(self) -> None:
+        super().__init__(file_format="parquet")
+
+    def get_filename_for_task(self, write_uuid: str, task_index: int) -> str:
+        return f"{PART_PREFIX}{write_uuid.replace('-', '')}_{task_index:06}.parquet"
+
+
+@dataclass(frozen=True)
+class OutputState:
+    """What an output directory already holds."""
+
+    files: list[str]  # live parts written by the job
+    ids: pa.Array  # ids of rows already written (duplicates kept, so they can be reported)
+    removed: list[str]  # the job's own parts deleted: unreadable (a write cut off by a crash) or superseded
+    foreign: list[str]  # files the job did not write (left alone)
+
+
+def _parse(path: str) -> tuple[str, int] | None:
+    m = _PART.match(path.rsplit("/", 1)[-1])
+    return (m["base"], int(m["gen"] or 0)) if m else None
+
+
+def _listing(loc: Location) -> list[pafs.FileInfo]:
+    if not exists(loc):
+        return []
+    return [i for i in loc.fs.get_file_info(pafs.FileSelector(loc.path, recursive=True)) if i.type == pafs.FileType.File]
+
+
+def _is_top(loc: Location, path: str) -> bool:
+    return "/" not in path[len(loc.path):].strip("/")
+
+
+def claim(loc: Location, settings: dict[str, Any], overwrite: bool = False) -> dict[str, Any]:
+    """Claim `loc` for a job with `settings` (writing the marker), or check that a resume matches it.
+
+    Refuses (JobInputError) a directory holding files but no marker, and a resume whose settings differ in a way
+    that changes the text. With `overwrite`, the job's own files are deleted first (foreign ones never)."""
+    marker = loc.child(MARKER_NAME)
+    files = _listing(loc)
+    has_marker = any(i.path.rstrip("/") == marker.path for i in files)
+    if files and not has_marker:
+        sample = ", ".join(i.path.rsplit("/", 1)[-1] for i in files[:3])
+        raise JobInputError(f"output {loc.uri} already holds {len(files)} file(s) (e.g. {sample}) that this job did "
+                            "not write (no _mmspec_job.json marker); choose a new or empty output directory")
+    if has_marker and overwrite:
+        own = [i.path for i in files if _is_top(loc, i.path) and (_parse(i.path) or i.path.endswith(SUMMARY_NAME))]
+        for p in own:
+            loc.fs.delete_file(p)
+        loc.fs.delete_file(marker.path)
+        log.info("--overwrite: deleted %d files this job wrote in %s", len(own), loc.uri)
+        has_marker = False
+    if has_marker:
+        record = _read_json(marker)
+        diff = settings_diff(record.get("settings", {}), settings)
+        if diff:
+            raise JobInputError(f"output {loc.uri} was made with other decoding settings ({'; '.join(diff)}); a "
+                                "resume would mix answers of both. Use a new --output, the old settings, or "
+                                "--overwrite to start over")
+        return record
+    record = {"format": MARKER_FORMAT, "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "settings": settings}
+    write_json(marker, record)
+    return record
+
+
+def settings_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """`key: old -> new` for every setting that differs and can change the output text."""
+    greedy = old.get("temperature", 0.0) == 0.0 and new.get("temperature", 0.0) == 0.0
+    out = []
+    for key in sorted(set(old) | set(new)):
+        if greedy and key in GREEDY_FREE:
+            continue
+        a, b = old.get(key), new.get(key)
+        if json.dumps(a, sort_keys=True, default=str) != json.dumps(b, sort_keys=True, default=str):
+            out.append(f"{key}: {a!r} -> {b!r}")
+    return out
+
+
+def scan(loc: Location, columns: list[str] | None = None) -> tuple[OutputState, pa.Table | None]:
+    """Read the ids (and `columns`) of the job's live parts. The job's own unreadable parts (a local write cut off
+    by a crash; S3 never shows a partial object) and superseded generations are deleted, so their rows are simply
+    done again; every other file is left alone."""
+    infos = _listing(loc)
+    mine: dict[str, list[tuple[int, str]]] = {}
+    foreign = []
+    for i in infos:
+        parsed = _parse(i.path) if _is_top(loc, i.path) else None
+        if parsed:
+            mine.setdefault(parsed[0], []).append((parsed[1], i.path))
+        elif not i.path.rsplit("/", 1)[-1] in (MARKER_NAME, SUMMARY_NAME):
+            foreign.append(i.path)
+    if foreign:
+        log.warning("output %s holds %d file(s) this job did not write (e.g. %s): ignored, left in place", loc.uri,
+                    len(foreign), foreign[0])
+    live, removed = [], []
+    for gens in mine.values():
+        gens.sort()
+        live.append(gens[-1][1])
+        removed += [p for _, p in gens[:-1]]  # an older generation that a retry's rewrite left behind
+    for p in removed:
+        loc.fs.delete_file(p)
+    cols = ["id"] + [c for c in (columns or []) if c != "id"]
+
+    def read(path: str) -> pa.Table | None:
+        try:
+            return pq.read_table(path, columns=cols, filesystem=loc.fs)
+        except (pa.ArrowInvalid, OSError) as e:
+            if loc.fs.get_file_info(path).type == pafs.FileType.NotFound:
+                raise
+            log.warning("output part %s is unreadable (%s): deleting it; its rows will be decoded again", path, e)
+            loc.fs.delete_file(path)
+            return None
+
+    live.sort()
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        tables = list(pool.map(read, live))
+    good = [f for f, t in zip(live, tables) if t is not None]
+    removed += [f for f, t in zip(live, tables) if t is None]
+    parts = [t for t in tables if t is not None]
+    table = pa.concat_tables(parts, promote_options="permissive") if parts else None
+    ids = table.column("id").combine_chunks() if table is not None else pa.array([], type=pa.string())
+    return OutputState(good, ids, removed, foreign), table
+
+
+def drop_rows(loc: Location, state: OutputState, ids: pa.Array) -> int:
+    """Take the rows `ids` out of the output so that this run decodes them again; every other row stays as it was
+    (not decoded again). Each part holding some is rewritten as its next generation, then the old one deleted: a
+    crash in between leaves both, and the next scan keeps the newer one."""
+    dropped = 0
+    for path in state.files:
+        table = pq.read_table(path, filesystem=loc.fs)
+        hit = pc.is_in(table.column("id"), value_set=ids.cast(table.column("id").type))
+        n = int(pc.sum(hit).as_py() or 0)
+        if not n:
+            continue
+        keep = table.filter(pc.invert(hit))
+        if keep.num_rows:
+            base, gen = _parse(path)
+            new = f"{path.rsplit('/', 1)[0]}/{PART_PREFIX}{base}.fix{gen + 1}.parquet"
+            with loc.fs.open_output_stream(new) as f:
+                pq.write_table(keep, f)
+        loc.fs.delete_file(path)
+        dropped += n
+    return dropped
+
+
+def _read_json(loc: Location) -> dict:
+    try:
+        return read_json(loc)
+    except (OSError, ValueError) as e:
+        raise JobInputError(f"cannot read the job marker {loc.uri} ({e}); restore it, or use a new --output") from e

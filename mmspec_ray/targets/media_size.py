@@ -1,0 +1,51 @@
+"""How large the checkpoint's processors make images: the bound the batch media stage scales huge inputs down to.
+
+Read from the saved processor configs (no model load), so the driver can resolve it once per job.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+_SIDE_KEYS = ("shortest_edge", "longest_edge", "height", "width")
+_PIXELS = 65_536  # a "side" above this is a pixel count (Qwen2-VL keeps min/max pixels under size.*_edge)
+
+
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
+
+
+def processor_max_side(path: str | Path) -> int | None:
+    """`max_side_of` the processor configs saved in a local checkpoint directory."""
+    files = [Path(path) / n for n in PROCESSOR_FILES]
+    return max_side_of([json.loads(f.read_text()) for f in files if f.is_file()])
+
+
+def max_side_of(configs: list[dict[str, Any]]) -> int | None:
+    """The largest side, in pixels, that an image or video processor resizes to (crop, longest edge, anyres grid
+    pinpoints, sqrt of a max pixel count), from its saved config dicts; None when none says."""
+    sides: list[int] = []
+    for d in configs:
+        for sub in (d, d.get("image_processor"), d.get("video_processor")):
+            if isinstance(sub, dict):
+                sides += _sides(sub)
+    return max(sides) if sides else None
+
+
+def _sides(d: dict[str, Any]) -> list[int]:
+    out: list[int] = []
+    for key in ("size", "crop_size", "max_image_size"):
+        v = d.get(key)
+        if isinstance(v, (int, float)):
+            out.append(int(v))
+        elif isinstance(v, dict):
+            out += [int(x) for k, x in v.items() if k in _SIDE_KEYS and isinstance(x, (int, float))]
+            if isinstance(v.get("max_pixels"), (int, float)):
+                out.append(int(v["max_pixels"]))
+    if isinstance(d.get("max_pixels"), (int, float)):
+        out.append(int(d["max_pixels"]))
+    pins = d.get("image_grid_pinpoints")
+    if isinstance(pins, list) and pins:
+        out.append(max(int(x) for p in pins for x in p))
+    return [int(x ** 0.5) if x > _PIXELS else x for x in out if x > 0]

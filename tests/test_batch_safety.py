@@ -1,0 +1,326 @@
+"""Batch data safety without Ray: the output directory's ownership and resume rules, input checks that name the
+file and column, OpenAI-style messages in rows, S3 retries through a scripted outage, bounded media memory."""
+
+from __future__ import annotations
+
+import io
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from mmspec_ray.batch.cli import main as job_main
+from mmspec_ray.batch.output import MARKER_NAME, claim, drop_rows, scan
+from mmspec_ray.batch.rows import RowError, prepare_row
+from mmspec_ray.batch.sources import kinetics_rows
+from mmspec_ray.batch.spec import DecodeConfig
+from mmspec_ray.batch.storage import JobInputError, check_disjoint, locate, scan_input
+from mmspec_ray.config import S3Config
+from mmspec_ray.media import MediaError
+from mmspec_ray.media.image import prescale_size
+from mmspec_ray.media.io import read_bytes
+
+LOCAL = S3Config(region="us-east-1")
+GREEDY = {"target": "/m", "drafter": "ngram", "temperature": 0.0, "max_new_tokens": 8}
+
+
+def loc(path) -> object:
+    return locate(str(path), LOCAL)
+
+
+def part(path, ids: list[str], kinds: list[str | None] | None = None) -> None:
+    pq.write_table(pa.table({"id": ids, "error_kind": pa.array(kinds or [None] * len(ids), pa.string())}), path)
+
+
+# ---------------- the output directory: what the job owns ----------------
+
+def test_output_with_foreign_files_and_no_marker_is_refused_untouched(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    part(out / "users-data.parquet", ["a"])
+    part(out / "mmspec-part-x_000000.parquet", ["b"])  # looks like ours, but no marker: not provably ours
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    for overwrite in (False, True):
+        with pytest.raises(JobInputError, match="did not write .*marker"):
+            claim(loc(out), GREEDY, overwrite=overwrite)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_overwrite_deletes_only_the_jobs_own_files(tmp_path):
+    out = tmp_path / "out"
+    claim(loc(out), GREEDY)
+    part(out / "mmspec-part-x_000000.parquet", ["a"])
+    (out / "_summary.json").write_text("{}")
+    part(out / "users-data.parquet", ["z"])  # dropped in later by someone: never ours to delete
+    (out / "sub").mkdir()
+    part(out / "sub" / "mmspec-part-y_000000.parquet", ["q"])  # not top level: not the job's naming
+    claim(loc(out), GREEDY, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == sorted([MARKER_NAME, "users-data.parquet", "sub"])
+    state, _ = scan(loc(out))
+    assert state.ids.to_pylist() == [] and [f.rsplit("/", 1)[-1] for f in sorted(state.foreign)] == [
+        "mmspec-part-y_000000.parquet", "users-data.parquet"]
+
+
+def test_resume_with_other_settings_is_refused_naming_the_difference(tmp_path):
+    out = loc(tmp_path / "out")
+    claim(out, GREEDY)
+    claim(out, GREEDY | {"drafter": "eagle2", "seed": 5})  # greedy: a drafter cannot change the text
+    with pytest.raises(JobInputError, match=r"max_new_tokens: 8 -> 16"):
+        claim(out, GREEDY | {"max_new_tokens": 16})
+    with pytest.raises(JobInputError, match=r"temperature: 0.0 -> 0.7"):
+        claim(out, GREEDY | {"temperature": 0.7})
+    sampled = tmp_path / "sampled"
+    claim(loc(sampled), GREEDY | {"temperature": 0.7})
+    with pytest.raises(JobInputError, match=r"drafter: 'ngram' -> 'eagle2'"):  # sampling: the drafter shows
+        claim(loc(sampled), GREEDY | {"temperature": 0.7, "drafter": "eagle2"})
+
+
+def test_decode_config_records_every_text_setting():
+    cfg = DecodeConfig(target="/m", temperature=0.5, max_new_tokens=9, media={"num_frames": 4})
+    s = cfg.text_settings()
+    assert {"target", "drafter", "dtype", "temperature", "top_p", "top_k", "seed", "max_new_tokens", "stop",
+            "default_prompt", "media", "tree"} == set(s)
+    assert s["media"]["num_frames"] == 4 and "device" not in s and "s3" not in s
+
+
+def test_drop_rows_rewrites_parts_and_a_crash_between_leaves_the_newer(tmp_path):
+    out = tmp_path / "out"
+    claim(loc(out), GREEDY)
+    part(out / "mmspec-part-a_000000.parquet", ["r1", "r2", "r3"], [None, "media.unavailable", None])
+    part(out / "mmspec-part-b_000000.parquet", ["r4"], ["media.unavailable"])
+    part(out / "mmspec-part-c_000000.parquet", ["r5"])
+    untouched = (out / "mmspec-part-c_000000.parquet").read_bytes()
+    state, _ = scan(loc(out))
+    assert drop_rows(loc(out), state, pa.array(["r2", "r4"])) == 2
+    names = sorted(p.name for p in out.glob("mmspec-part-*"))
+    assert names == ["mmspec-part-a_000000.fix1.parquet", "mmspec-part-c_000000.parquet"]
+    assert (out / "mmspec-part-c_000000.parquet").read_bytes() == untouched
+    state, _ = scan(loc(out))
+    assert sorted(state.ids.to_pylist()) == ["r1", "r3", "r5"]
+    # a crash after writing generation 2 but before deleting generation 1: the scan keeps generation 2 only
+    part(out / "mmspec-part-a_000000.fix2.parquet", ["r1"])
+    state, _ = scan(loc(out))
+    assert sorted(state.ids.to_pylist()) == ["r1", "r5"] and not (out / "mmspec-part-a_000000.fix1.parquet").exists()
+
+
+@pytest.mark.parametrize("a,b,overlap", [
+    ("s3://b/data", "s3://b/data", True), ("s3://b/data/", "s3://b/data/out", True),
+    ("s3://b/data/in", "s3://b/data", True), ("s3://b/data", "s3://b/data2", False),
+    ("s3://b/in", "s3://c/in", False), ("/x/in", "/x/in/out", True), ("/x/in", "/x/out", False),
+])
+def test_overlapping_input_and_output_are_refused(a, b, overlap):
+    if overlap:
+        with pytest.raises(JobInputError, match="overlap"):
+            check_disjoint(loc(a), loc(b))
+        with pytest.raises(JobInputError, match="overlap"):
+            check_disjoint(loc(b), loc(a))
+    else:
+        check_disjoint(loc(a), loc(b))
+
+
+# ---------------- malformed inputs: one line naming the file and the column ----------------
+
+def test_malformed_input_files_are_named(tmp_path):
+    d = tmp_path / "types"
+    d.mkdir()
+    pq.write_table(pa.table({"id": ["a"], "prompt": ["p"]}), d / "0.parquet")
+    pq.write_table(pa.table({"id": ["b"], "prompt": [3]}), d / "1.parquet")
+    with pytest.raises(JobInputError, match=r"1\.parquet: column 'prompt' is int64 but string"):
+        scan_input(loc(d))
+    (d / "1.parquet").write_bytes(b"PAR1 this is not parquet at all")
+    with pytest.raises(JobInputError, match=r"input file .*1\.parquet is not readable parquet"):
+        scan_input(loc(d))
+    s = tmp_path / "struct.parquet"
+    pq.write_table(pa.table({"id": [{"k": 1}], "prompt": ["p"]}), s)
+    with pytest.raises(JobInputError, match=r"struct\.parquet: column 'id' is struct"):
+        scan_input(loc(s))
+    csv = tmp_path / "ann.csv"
+    csv.write_text("label,youtube_id,time_start,time_end,split\nx,abc,notanumber,10,val\n")
+    with pytest.raises(JobInputError, match=r"ann\.csv: .*time_start|ann\.csv: .*notanumber"):
+        kinetics_rows(str(csv), str(tmp_path), "p", LOCAL)
+
+
+def test_job_cli_prints_one_line_and_exits_2(tmp_path, capsys, ckpt):
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": ["a", "a"], "prompt": ["p", "q"], "image_uri": ["x.png", "y.png"]}), src)
+    rc = job_main(["--input", str(src), "--output", str(tmp_path / "out"), "--target", ckpt], "instruct")
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "duplicated ids" in err and "Traceback" not in err
+    rc = job_main(["--input", str(src), "--output", str(tmp_path / "o2"), "--target", ckpt,
+                   "--max-new-tokens", "0"], "instruct")
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "max_new_tokens" in err
+
+
+# ---------------- OpenAI-style messages in rows ----------------
+
+def png_bytes(size=(16, 12)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, (200, 10, 10)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def test_messages_with_string_content_and_an_image_column_work():
+    cfg = DecodeConfig(target="/m", media={"image_side": None})
+    row = {"id": "r", "messages": [{"role": "system", "content": "be brief"},
+                                   {"role": "user", "content": "what is this?"}], "image": png_bytes()}
+    req = prepare_row(row, cfg)
+    assert req.messages == [{"role": "system", "content": [{"type": "text", "text": "be brief"}]},
+                            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is this?"}]}]
+    assert len(req.images) == 1
+
+
+@pytest.mark.parametrize("messages,field", [
+    ([{"foo": 1}], "messages[0].role"),
+    ([{"role": "user"}], "messages[0].content"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages[0].content[0].type"),
+    ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0].text"),
+    ([{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "t"}]}], "messages"),
+    (["hello"], "messages[0]"),
+])
+def test_bad_messages_are_invalid_naming_the_field(messages, field):
+    with pytest.raises(RowError) as e:
+        prepare_row({"id": "r", "messages": messages, "image": png_bytes()}, DecodeConfig(target="/m"))
+    assert e.value.kind == "invalid" and e.value.field == field, str(e.value)
+
+
+# ---------------- S3 outages: transient errors retried with backoff ----------------
+
+class FlakyProxy:
+    """A TCP forwarder on loopback in front of the moto server; while `down`, it drops every connection."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.down = False
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self._stop = False
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        self.sock.settimeout(0.2)
+        while not self._stop:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            if self.down:
+                conn.close()
+                continue
+            up = socket.create_connection(("127.0.0.1", self.target_port))
+            for a, b in ((conn, up), (up, conn)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._stop = True
+        self.sock.close()
+
+
+@pytest.fixture
+def flaky(s3_server):
+    proxy = FlakyProxy(s3_server.port)
+    yield proxy
+    proxy.close()
+
+
+def proxied(proxy: FlakyProxy, **retry) -> S3Config:
+    return S3Config(endpoint_override=f"127.0.0.1:{proxy.port}", scheme="http", region="us-east-1", **retry)
+
+
+def test_s3_read_survives_a_short_outage_and_marks_a_long_one_retryable(s3_server, flaky):
+    b = s3_server.new_bucket("flaky")
+    uri = s3_server.put(b, "x.bin", b"payload")
+    cfg = proxied(flaky, retries=4, retry_base_s=0.3, retry_max_s=1.0)  # waits 0.3 + 0.6 + 1 + 1 s
+    assert read_bytes(uri, s3=cfg) == b"payload"
+    flaky.down = True
+    threading.Timer(1.0, lambda: setattr(flaky, "down", False)).start()
+    t0 = time.monotonic()
+    assert read_bytes(uri, s3=cfg) == b"payload", "a 1 s outage is bridged by the retries"
+    assert time.monotonic() - t0 >= 0.9
+    flaky.down = True
+    with pytest.raises(MediaError) as e:
+        read_bytes(uri, s3=proxied(flaky, retries=1, retry_base_s=0.1))
+    assert e.value.kind == "unavailable" and "re-run" in str(e.value)
+    flaky.down = False
+    with pytest.raises(MediaError) as e:  # a missing object is final at once, never retried
+        read_bytes(f"s3://{b}/nope.bin", s3=proxied(flaky, retries=5, retry_base_s=5.0))
+    assert e.value.kind == "not_found"
+
+
+# ---------------- memory: huge images and frame-count-less clips ----------------
+
+def test_prescale_keeps_what_the_processor_needs():
+    assert prescale_size(7990, 7990, 336) == (672, 672)
+    assert prescale_size(4000, 3000, 336) == (672, 504)
+    assert prescale_size(640, 480, 336) is None  # small enough: untouched
+    assert prescale_size(336, 40000, 336) is None  # the short edge is already what the processor needs
+    assert prescale_size(7990, 7990, None) is None
+
+
+PROBE = r"""
+import io, json, pickle, resource, sys
+from mmspec_ray.batch.rows import prepare_row
+from mmspec_ray.batch.spec import DecodeConfig
+kind, path, side = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+cfg = DecodeConfig(target="/m", media={"image_side": side, "num_frames": 8})
+req = prepare_row({"id": "r", "prompt": "p", kind: open(path, "rb").read()}, cfg)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"growth_mb": (peak - base) / 1024, "request_mb": len(pickle.dumps(req)) / 2**20}))
+"""
+
+
+def probe(kind: str, path, side) -> dict:
+    r = subprocess.run([sys.executable, "-c", PROBE, kind, str(path), json.dumps(side)], capture_output=True,
+                       text=True, timeout=300, check=True)
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_huge_png_reaches_the_decoder_small(tmp_path):
+    path = tmp_path / "huge.png"
+    Image.new("RGB", (7990, 7990), (30, 120, 200)).save(path, "PNG")
+    got = probe("image", path, 336)
+    assert got["request_mb"] < 2.0, got  # 672 x 672 RGB: 1.3 MB (the full image would be 183 MB)
+    assert got["growth_mb"] < 700, got
+
+
+def test_frame_count_less_clip_keeps_only_the_sampled_frames(tmp_path):
+    import av
+    import numpy as np
+
+    path = tmp_path / "long.mkv"
+    with av.open(str(path), "w", format="matroska") as c:
+        s = c.add_stream("mpeg4", rate=30)
+        s.width, s.height, s.pix_fmt = 640, 480, "yuv420p"
+        for i in range(600):
+            frame = np.full((480, 640, 3), i % 256, np.uint8)
+            for p in s.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    with av.open(str(path)) as c:
+        assert not c.streams.video[0].frames, "the container must not declare its frame count"
+    got = probe("video", path, None)
+    assert got["growth_mb"] < 150, got  # all 600 frames kept would be ~270 MB of YUV
+    assert got["request_mb"] < 8.0, got  # 8 RGB frames of 640 x 480: 7.0 MB
