@@ -20,7 +20,7 @@ ray = pytest.importorskip("ray")
 
 from mmspec_ray.batch import JobSpec, SpecDecoder, run_job  # noqa: E402
 from mmspec_ray.batch.cli import main as job_main  # noqa: E402
-from mmspec_ray.batch.storage import locate, parquet_files, read_json  # noqa: E402
+from mmspec_ray.batch.storage import JobInputError, locate, parquet_files, read_json  # noqa: E402
 from mmspec_ray.config import SamplingParams  # noqa: E402
 from mmspec_ray.drafters.base import load_drafter  # noqa: E402
 from mmspec_ray.media import load_image, load_video  # noqa: E402
@@ -80,8 +80,10 @@ def put_parquet(s3_server, bucket: str, key: str, rows: list[dict], schema: pa.S
 
 
 def read_output(s3_server, uri: str) -> pa.Table:
+    """Every part the job wrote (files of its own naming only)."""
     loc = locate(uri, s3_server.s3_config)
-    return pa.concat_tables([pq.read_table(f, filesystem=loc.fs) for f in parquet_files(loc)])
+    parts = [f for f in parquet_files(loc) if f.rsplit("/", 1)[-1].startswith("mmspec-part-")]
+    return pa.concat_tables([pq.read_table(f, filesystem=loc.fs) for f in parts])
 
 
 def image_rows(s3_server, bucket: str, n: int, seed: int) -> tuple[list[dict], dict[str, Request]]:
@@ -266,3 +268,103 @@ def test_caption_kinetics_job_from_csv_on_s3(s3_server, ray_cluster, ckpt, refer
         frames = tuple(load_video(data, num_frames=FRAMES).frames)
         want = reference(Request(prompt="Describe what happens in the video.", videos=(frames,)))
         assert out[rid]["output_token_ids"] == want and out[rid]["prompt"] == "Describe what happens in the video."
+
+
+# ---------------- data safety: the output is the job's, settings are recorded, outages and crashes ----------------
+
+def s3_keys(s3_server, bucket: str) -> dict[str, bytes]:
+    objs = s3_server.client.list_objects_v2(Bucket=bucket).get("Contents", [])
+    return {o["Key"]: s3_server.client.get_object(Bucket=bucket, Key=o["Key"])["Body"].read() for o in objs}
+
+
+def test_user_files_survive_and_overlapping_or_changed_jobs_are_refused(s3_server, ray_cluster, ckpt, reference):
+    b = s3_server.new_bucket("safety")
+    rows, requests = image_rows(s3_server, b, 3, seed=7)
+    src = put_parquet(s3_server, b, "same/in.parquet", rows, ROW_SCHEMA)
+    before = s3_keys(s3_server, b)
+    with pytest.raises(JobInputError, match="overlap"):  # output == input prefix: refused before any write
+        run_job(spec_for(s3_server, ckpt, f"s3://{b}/same/", f"s3://{b}/same/"))
+    with pytest.raises(JobInputError, match="overlap"):  # output inside the (recursively read) input prefix
+        run_job(spec_for(s3_server, ckpt, f"s3://{b}/same/", f"s3://{b}/same/out/"))
+    user = put_parquet(s3_server, b, "mine/own.parquet", [{"name": "keep me"}])
+    with pytest.raises(JobInputError, match="did not write"):  # someone's data, no job marker
+        run_job(spec_for(s3_server, ckpt, src, f"s3://{b}/mine/", overwrite=True))
+    assert s3_keys(s3_server, b) == before | {"mine/own.parquet": s3_keys(s3_server, b)["mine/own.parquet"]}
+
+    out_uri = f"s3://{b}/out/"
+    spec = spec_for(s3_server, ckpt, src, out_uri)
+    assert run_job(spec)["complete"]
+    notes = put_parquet(s3_server, b, "out/notes.parquet", [{"note": "my own file, no id column"}])
+    resumed = run_job(spec)  # resume: nothing to do, the user's file is left alone
+    assert resumed["complete"] and resumed["run"]["rows"] == 0 and resumed["foreign_files"] == ["notes.parquet"]
+    assert "out/notes.parquet" in s3_keys(s3_server, b) and user and notes
+    with pytest.raises(JobInputError, match=r"max_new_tokens: 10 -> 12"):
+        run_job(spec_for(s3_server, ckpt, src, out_uri).model_copy(
+            update={"decode": spec.decode.model_copy(update={"max_new_tokens": 12})}))
+    with pytest.raises(JobInputError, match=r"temperature: 0.0 -> 0.8"):
+        run_job(spec.model_copy(update={"decode": spec.decode.model_copy(update={"temperature": 0.8})}))
+    other = run_job(spec.model_copy(update={"decode": spec.decode.model_copy(update={"drafter": "none"})}))
+    assert other["complete"] and other["run"]["rows"] == 0  # greedy: a drafter change cannot change the text
+    again = run_job(spec.model_copy(update={"overwrite": True}))
+    assert again["run"]["rows"] == len(rows) and "out/notes.parquet" in s3_keys(s3_server, b)
+    out = read_output(s3_server, out_uri)
+    assert_exactly_once(out, [r["id"] for r in rows])
+    assert_matches_reference(out, requests, reference)
+
+
+def test_s3_outage_during_media_reads_loses_no_good_row(s3_server, ray_cluster, ckpt, reference, tmp_path):
+    from test_batch_safety import FlakyProxy
+
+    b = s3_server.new_bucket("outage")
+    rows, requests = image_rows(s3_server, b, 6, seed=8)  # odd rows: image_uri on S3; even rows: image bytes
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=ROW_SCHEMA), src)
+    proxy = FlakyProxy(s3_server.port)
+    try:
+        s3 = {"endpoint_override": f"127.0.0.1:{proxy.port}", "scheme": "http", "region": "us-east-1",
+              "retries": 1, "retry_base_s": 0.1}
+        spec = JobSpec.model_validate({
+            "input": str(src), "output": str(tmp_path / "out"), "progress_bars": False, "rows_per_block": 2,
+            "rows_per_file": None,
+            "decode": {"target": ckpt, "drafter": "ngram", "max_new_tokens": MAX_NEW, "s3": s3}})
+        proxy.down = True  # S3 unreachable for the whole first run
+        first = run_job(spec)
+        kinds = first["all_rows"]["errors_by_kind"]
+        assert first["complete"] and kinds == {"media.unavailable": 3}, kinds
+        out1 = pq.read_table(tmp_path / "out").to_pylist()
+        done1 = {r["id"]: r["decode_seconds"] for r in out1 if r["error"] is None}
+        proxy.down = False
+        second = run_job(spec)  # the re-run retries exactly the unavailable rows
+        assert second["retried_rows"] == 3 and second["run"]["rows"] == 3 and second["all_rows"]["errors"] == 0
+    finally:
+        proxy.close()
+    out = pq.read_table(tmp_path / "out")
+    assert_exactly_once(out, [r["id"] for r in rows])
+    assert_matches_reference(out, requests, reference)
+    again = {r["id"]: r["decode_seconds"] for r in out.to_pylist() if r["id"] in done1}
+    assert again == done1, "rows that succeeded the first time were not decoded again"
+
+
+class AlwaysCrashDecoder(SpecDecoder):
+    """Kills its own process every time it starts decoding `victim` (a row that always crashes native code)."""
+
+    victim = "img-9-2"
+
+    def _generate(self, request, row_id):
+        if row_id == self.victim:
+            os._exit(1)
+        return super()._generate(request, row_id)
+
+
+def test_row_that_always_kills_its_decoder_is_filed_as_an_error(s3_server, ray_cluster, ckpt, reference):
+    b = s3_server.new_bucket("poison")
+    rows, requests = image_rows(s3_server, b, 4, seed=9)
+    src = put_parquet(s3_server, b, "in/part-0.parquet", rows, ROW_SCHEMA)
+    summary = run_job(spec_for(s3_server, ckpt, src, f"s3://{b}/out/"), decoder_cls=AlwaysCrashDecoder)
+    out = read_output(s3_server, f"s3://{b}/out/")
+    assert_exactly_once(out, [r["id"] for r in rows])
+    by_id = {r["id"]: r for r in out.to_pylist()}
+    assert by_id["img-9-2"]["error_kind"] == "crash" and "died 2 times" in by_id["img-9-2"]["error"]
+    del requests["img-9-2"]
+    assert_matches_reference(out, requests, reference)
+    assert summary["complete"] and summary["all_rows"]["errors_by_kind"] == {"crash": 1}
