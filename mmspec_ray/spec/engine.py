@@ -5,6 +5,7 @@ AREngine is SpecEngine with the null drafter (one token per forward): the baseli
 from __future__ import annotations
 
 import time
+from collections.abc import Generator
 
 import torch
 
@@ -26,9 +27,22 @@ class SpecEngine:
         self.drafter = drafter
         self.tree = tree or TreeConfig()
 
-    @torch.inference_mode()
     def generate(self, request: Request, sampling: SamplingParams | None = None, max_new_tokens: int = 128,
                  stop: tuple[str, ...] = ()) -> Generation:
+        """Decode one request to the end: `stream` run to completion."""
+        steps = self.stream(request, sampling, max_new_tokens, stop)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    @torch.inference_mode()
+    def stream(self, request: Request, sampling: SamplingParams | None = None, max_new_tokens: int = 128,
+               stop: tuple[str, ...] = ()) -> Generator[list[int], None, Generation]:
+        """The decoding loop as a generator: yields the token ids each step commits (the prefill's first token,
+        then each verify cycle's accepted tokens + bonus, cut where generation ends) and returns the Generation.
+        Time spent by the consumer between steps is not counted in the stats. Closing it early stops decoding."""
         sampling = sampling or SamplingParams()
         t, d = self.target, self.drafter
         t0 = time.perf_counter()
@@ -41,7 +55,11 @@ class SpecEngine:
         out = t.prefill(inputs)
         root = pick(out.logits[0, -1], sampling, gen)
         stats.prefill_s = time.perf_counter() - t0
-        if tracker.add([root]):
+        done = tracker.add([root])
+        tp = time.perf_counter()
+        yield tracker.ids[:]
+        t0 += time.perf_counter() - tp
+        if done:
             return self._finish(tracker, stats, t0)
         td = time.perf_counter()
         d.begin(t, out, root)
@@ -59,7 +77,12 @@ class SpecEngine:
             stats.accepted_per_cycle.append(len(path) - 1)
             stats.draft_s += tv - td
             stats.verify_s += ta - tv
-            if tracker.add(new):
+            n_before = len(tracker.ids)
+            done = tracker.add(new)
+            tp = time.perf_counter()
+            yield tracker.ids[n_before:]
+            t0 += time.perf_counter() - tp
+            if done:
                 break
             to = time.perf_counter()
             d.observe(tree.tokens[path].tolist(), v.hidden[0, path], bonus)
