@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import pickle
 import time
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
 from typing import Any
 
 import pyarrow as pa
@@ -19,8 +19,10 @@ import torch
 from mmspec_ray.batch.rows import (ERROR_COL, ERROR_KIND_COL, INTERNAL_COLUMNS, OUTPUT_SCHEMA, REQUEST_COL,
                                    RowError, error_output, prepare_row, resolve_image_side)
 from mmspec_ray.batch.spec import DecodeConfig
+from mmspec_ray.config import SamplingParams
 from mmspec_ray.drafters.base import load_drafter
 from mmspec_ray.spec.engine import SpecEngine
+from mmspec_ray.spec.output import Generation
 from mmspec_ray.targets import PromptTooLong, Request, TargetError, load_target
 
 log = logging.getLogger(__name__)
@@ -78,6 +80,13 @@ class SpecDecoder:
         if self.progress is not None and self.max_row_crashes:
             self.progress.finish_row.remote(str(row_id))
         return out
+
+    def stream(self, request: Request, sampling: SamplingParams, max_new_tokens: int,
+               stop: tuple[str, ...] = ()) -> Generator[list[int], None, Generation]:
+        """Online decoding (the Serve deployment): the engine's streaming form with the caller's sampling and
+        limits, yielding the tokens each step commits. Unlike `generate`, errors raise (PromptTooLong,
+        TargetError ...): the caller maps them onto its protocol."""
+        return self.engine.stream(request, sampling, max_new_tokens, stop)
 
     def _start(self, row_id: Any) -> int:
         """Record that this row starts; the number of earlier decoders it killed once that reaches the cap, else 0."""
