@@ -81,7 +81,7 @@ def decode_image_bytes(data: bytes, limits: MediaLimits | None = None, label: st
         kind = "truncated" if "truncated" in msg.lower() or "premature end" in msg.lower() else "corrupt"
         raise MediaError(kind, f"image data is damaged: {msg}", label) from e
     try:
-        img = ImageOps.exif_transpose(img)
+        ImageOps.exif_transpose(img, in_place=True)  # in place: no second full-size copy
     except Exception:  # a broken EXIF block must not lose an otherwise good image
         pass
     return shrink(to_rgb(img), max_side)
