@@ -324,3 +324,17 @@ def test_frame_count_less_clip_keeps_only_the_sampled_frames(tmp_path):
     got = probe("video", path, None)
     assert got["growth_mb"] < 150, got  # all 600 frames kept would be ~270 MB of YUV
     assert got["request_mb"] < 8.0, got  # 8 RGB frames of 640 x 480: 7.0 MB
+
+
+def test_video_pixel_budget_refuses_an_fps_sampling_past_it(tmp_path):
+    from mmspec_ray.config import MediaLimits
+    from mmspec_ray.media import load_video
+    from mmspec_ray.toy.clips import encode_mp4
+    from tiny import random_images
+
+    clip = encode_mp4(random_images(12, seed=3), fps=12)
+    w, h = load_video(clip, num_frames=1).frames[0].size
+    assert len(load_video(clip, fps=12, limits=MediaLimits(max_video_pixels=12 * w * h)).frames) == 12
+    with pytest.raises(MediaError) as e:
+        load_video(clip, fps=12, limits=MediaLimits(max_video_pixels=5 * w * h))
+    assert e.value.kind == "too_large" and "--fps" in str(e.value)
