@@ -4,7 +4,9 @@ SpecDecoder actor pool -> write parquet -> summary.
 Exactly-once: every input id must be unique; the output directory is the checkpoint (its readable parts list the
 ids already done), so a re-run decodes only the rest. Inside one run, a block's output is written only after its
 actor call returned, and a crashed actor is restarted by Ray Data with its in-flight calls retried (actor pool
-defaults `max_restarts=-1`, `max_task_retries=-1`), so no row is lost or written twice.
+defaults `max_restarts=-1`, `max_task_retries=-1`), so no row is lost or written twice; a row that kills every
+actor it reaches is filed as a `crash` error after `max_row_crashes` tries. The job only ever touches output files
+it wrote (batch/output.py), and a resume must match the settings recorded there.
 """
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ import ray
 
 from mmspec_ray.batch.cluster import check_gpus, connect_ray, plan_actor_cpus, release_failed_run
 from mmspec_ray.batch.decoder import SpecDecoder
-from mmspec_ray.batch.progress import ProgressPrinter, ProgressTracker
-from mmspec_ray.batch.rows import IMAGE_FIELDS, INTERNAL_COLUMNS, OUTPUT_COLUMNS, VIDEO_FIELDS
-from mmspec_ray.batch.spec import DecodeConfig, JobSpec
-from mmspec_ray.batch.stages import keep_ids, prepare_block
 from mmspec_ray.batch.output import OutputState, PartNames, claim, drop_rows
 from mmspec_ray.batch.output import scan as scan_output
-from mmspec_ray.batch.rows import RETRYABLE_KINDS, resolve_image_side
+from mmspec_ray.batch.progress import ProgressPrinter, ProgressTracker
+from mmspec_ray.batch.rows import (IMAGE_FIELDS, INTERNAL_COLUMNS, OUTPUT_COLUMNS, RETRYABLE_KINDS, VIDEO_FIELDS,
+                                   resolve_image_side)
+from mmspec_ray.batch.spec import DecodeConfig, JobSpec
+from mmspec_ray.batch.stages import keep_ids, prepare_block
 from mmspec_ray.batch.storage import (SUMMARY_NAME, JobInputError, Location, check_disjoint, check_ids, locate,
                                       parquet_files, scan_input, write_json)
 from mmspec_ray.batch.summary import SUMMARY_COLUMNS, format_summary, summarize
