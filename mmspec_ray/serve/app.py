@@ -1,0 +1,249 @@
+"""The Ray Serve app: an OpenAI-compatible chat completions endpoint on the batch pipeline's `SpecDecoder`.
+
+One replica = one target + one drafter decoding one request at a time (batch size 1). `build_app(args)` is the
+`import_path` of a Serve config (deployments/*.yaml); `args` is `ServeSettings`.
+"""
+
+# No `from __future__ import annotations` here: FastAPI reads the route parameter types at run time.
+import asyncio
+import hmac
+import json
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.serve import Application
+
+from mmspec_ray.batch.decoder import SpecDecoder
+from mmspec_ray.config import SamplingParams
+from mmspec_ray.serve.errors import APIError
+from mmspec_ray.serve.messages import frames_as_images, to_request
+from mmspec_ray.serve.metrics import ServeMetrics
+from mmspec_ray.serve.protocol import ChatRequest, chunk_body, completion_body, completion_id, parse_request, \
+    spec_stats, sse_event, usage
+from mmspec_ray.serve.run import DecodeRun, drain
+from mmspec_ray.serve.settings import ServeSettings
+from mmspec_ray.serve.text import TextStream
+from mmspec_ray.targets import PromptTooLong, TargetError
+
+log = logging.getLogger(__name__)
+DEPLOYMENT_NAME = "ChatCompletions"
+api = FastAPI(title="mmspec-ray", docs_url=None, redoc_url=None)
+
+
+@serve.deployment(name=DEPLOYMENT_NAME)
+@serve.ingress(api)
+class ChatServer:
+    """FastAPI ingress + SpecDecoder in one replica."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self.settings = s = ServeSettings.model_validate(settings)
+        self.api_key = s.api_key()
+        self.model = s.served_name
+        self.decoder = SpecDecoder(s.decode)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmspec-decode")
+        self.slot = asyncio.Lock()  # the decoder: one request at a time
+        self.waiting = 0
+        self.counts: Counter[str] = Counter()
+        self.metrics = ServeMetrics(self.model)
+
+    # ---------- Serve hooks ----------
+    def check_health(self) -> None:
+        """Serve's periodic probe: the decode thread pool must still accept work."""
+        if getattr(self.executor, "_shutdown", False):
+            raise RuntimeError("decode thread pool is shut down")
+
+    def stats(self) -> dict[str, int]:
+        """Counters for tests and debugging (call through a handle): requests by outcome, steps, tokens."""
+        return dict(self.counts, waiting=self.waiting, decoding=int(self.slot.locked()))
+
+    # ---------- routes ----------
+    @api.get("/health")
+    async def health(self) -> dict[str, Any]:
+        return {"status": "ok", "model": self.model, "decoding": self.slot.locked(), "waiting": self.waiting}
+
+    @api.get("/v1/models")
+    async def models(self, request: HTTPRequest) -> JSONResponse:
+        try:
+            self._auth(request)
+        except APIError as e:
+            return e.response()
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model, "object": "model", "created": 0, "owned_by": "mmspec-ray"}]})
+
+    @api.post("/v1/chat/completions")
+    async def chat(self, request: HTTPRequest) -> Any:
+        t0 = time.perf_counter()
+        stream = False
+        try:
+            self._auth(request)
+            req = parse_request(await self._json(request))
+            stream = req.stream
+            run, tokenizer = await self._start(req)
+        except APIError as e:
+            self._count(e.status, stream)
+            return e.response()
+        except Exception as e:  # a bug must still answer in the API's error format
+            log.exception("chat completion failed before decoding")
+            self._count(500, stream)
+            return APIError(500, f"internal error: {type(e).__name__}").response()
+        if stream:
+            return StreamingResponse(self._sse(req, run, tokenizer, t0), media_type="text/event-stream")
+        try:
+            gen, first = await drain(run)
+        except asyncio.CancelledError:
+            run.cancel()
+            self._count("cancelled", False)
+            raise
+        except Exception as e:
+            log.error("decoding failed: %s: %s", type(e).__name__, e)
+            self._count(500, False)
+            return APIError(500, f"internal error while decoding: {type(e).__name__}").response()
+        self._done(t0, first, gen, False)
+        return JSONResponse(completion_body(completion_id(), self.model, gen))
+
+    # ---------- pieces ----------
+    def _auth(self, request: HTTPRequest) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "missing or invalid API key: send Authorization: Bearer <key>",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    async def _json(self, request: HTTPRequest) -> Any:
+        limit = self.settings.limits.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"request body of {declared} bytes is over this server's limit of {limit} bytes",
+                           code="too_large")
+        body, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body is over this server's limit of {limit} bytes", code="too_large")
+            body.append(chunk)
+        try:
+            return json.loads(b"".join(body))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(400, f"request body is not valid JSON ({e})", code="invalid_json") from e
+
+    async def _start(self, req: ChatRequest) -> tuple[DecodeRun, Any]:
+        """Check the request, decode its media, wait for the decoder, run prefill. Errors up to the first token
+        raise APIError, so they still get a status code (a stream has not started yet)."""
+        if req.model != self.model:
+            raise APIError(400, f"model {req.model!r} is not served here; this endpoint serves {self.model!r} "
+                           "(GET /v1/models)", param="model", code="model_not_found")
+        max_tokens = req.max_completion_tokens or req.max_tokens or self.settings.default_max_tokens
+        if max_tokens > self.settings.limits.max_tokens:
+            raise APIError(400, f"max_tokens {max_tokens} is over this server's limit of "
+                           f"{self.settings.limits.max_tokens}", param="max_tokens", code="invalid_value")
+        request = await asyncio.to_thread(to_request, req.messages, self.settings)
+        request = frames_as_images(request, self.decoder.target.video_as_frames)
+        sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, seed=req.seed)
+        stop = req.stop_strings()
+        self.waiting += 1
+        self.metrics.depth(self.waiting, int(self.slot.locked()))
+        try:
+            await self.slot.acquire()
+        finally:
+            self.waiting -= 1
+        self.metrics.depth(self.waiting, 1)
+        run = DecodeRun(lambda: self.decoder.stream(request, sampling, max_tokens, stop), self.executor,
+                        on_step=self._step)
+        run.future.add_done_callback(self._release)
+        try:
+            first = await run.peek()  # prefill + first token: a too-long prompt fails here
+        except asyncio.CancelledError:
+            run.cancel()
+            raise
+        if first.error is not None:
+            if isinstance(first.error, PromptTooLong):
+                raise APIError(400, f"prompt too long: {first.error}", param="messages",
+                               code="context_length_exceeded")
+            if isinstance(first.error, TargetError):
+                raise APIError(400, f"this model cannot take the request: {first.error}", param="messages",
+                               code="unsupported_request")
+            raise first.error
+        return run, self.decoder.target.tokenizer
+
+    def _step(self, tokens: list[int]) -> None:
+        self.counts["steps"] += 1
+        self.counts["tokens"] += len(tokens)
+
+    def _release(self, _: Any) -> None:
+        self.slot.release()
+        self.metrics.depth(self.waiting, 0)
+
+    async def _sse(self, req: ChatRequest, run: DecodeRun, tokenizer: Any, t0: float) -> AsyncIterator[str]:
+        """Server-sent events in OpenAI's chunk format: one chunk per decoding step that adds text."""
+        cid, created = completion_id(), int(time.time())
+        text = TextStream(tokenizer, req.stop_strings())
+        role_sent, first, finished = False, None, False
+        try:
+            while True:
+                step = await run.next()
+                if step.error is not None:
+                    log.error("decoding failed mid-stream: %s: %s", type(step.error).__name__, step.error)
+                    self._count(500, True)
+                    err = APIError(500, f"internal error while decoding: {type(step.error).__name__}")
+                    yield sse_event(err.body())
+                    finished = True
+                    return
+                if step.generation is not None:
+                    break
+                first = first or step.at
+                delta = text.push(step.tokens or [])
+                if delta or not role_sent:
+                    piece = {"role": "assistant", "content": delta} if not role_sent else {"content": delta}
+                    role_sent = True
+                    yield sse_event(chunk_body(cid, self.model, created, piece))
+            gen = step.generation
+            rest = text.finish(gen.text)
+            if rest:
+                yield sse_event(chunk_body(cid, self.model, created, {"content": rest}))
+            yield sse_event(chunk_body(cid, self.model, created, {}, gen.finish_reason, spec_stats=spec_stats(gen.stats)))
+            if req.stream_options and req.stream_options.include_usage:
+                yield sse_event({"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model,
+                              "choices": [], "usage": usage(gen.stats, len(gen.token_ids))})
+            yield "data: [DONE]\n\n"
+            finished = True
+            self._done(t0, first, gen, True)
+        finally:
+            if not finished:  # the client went away (or the response was dropped): stop decoding
+                run.cancel()
+                self._count("cancelled", True)
+
+    def _done(self, t0: float, first: float | None, gen: Any, stream: bool) -> None:
+        self._count(200, stream)
+        now = time.perf_counter()
+        self.metrics.finished(now - t0, None if first is None else first - t0, len(gen.token_ids),
+                              gen.stats.total_s, gen.stats.mean_accepted)
+
+    def _count(self, status: int | str, stream: bool) -> None:
+        self.counts[str(status)] += 1
+        self.metrics.request(status, stream)
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Serve builder (`import_path: mmspec_ray.serve.app:build_app`): `args` is ServeSettings. A toy world name as
+    `decode.target` is resolved (built on first use) here, once, not in every replica."""
+    from mmspec_ray.batch.cli import resolve_target
+
+    settings = ServeSettings.model_validate(args)
+    settings = settings.model_copy(update={"model_name": settings.served_name})
+    decode = settings.decode.model_copy(update={"target": resolve_target(settings.decode.target)})
+    options = settings.deployment_options()
+    if decode.torch_threads is None:  # torch threads follow the replica's CPUs
+        cpus = (options.get("ray_actor_options") or {}).get("num_cpus") or 1
+        decode = decode.model_copy(update={"torch_threads": max(1, math.ceil(cpus))})
+    settings = settings.model_copy(update={"decode": decode})
+    return ChatServer.options(**options).bind(settings.model_dump(mode="json"))

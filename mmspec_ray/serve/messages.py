@@ -1,0 +1,92 @@
+"""OpenAI chat messages -> a `Request`: media parts are fetched to bytes here, then the batch layer's
+`prepare_row` validates the messages and decodes the media (same limits, frame sampling and scaling as batch)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from mmspec_ray.batch.rows import RowError, prepare_row
+from mmspec_ray.serve.errors import APIError, from_row_error
+from mmspec_ray.serve.fetch import fetch_media
+from mmspec_ray.serve.settings import ServeSettings
+from mmspec_ray.targets import Request
+
+# OpenAI part type -> (the batch layer's placeholder part, the key holding {"url": ...})
+MEDIA_PART_TYPES = {"image_url": "image", "video_url": "video"}
+ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
+_INDEXED = re.compile(r"^(image|video)\[(\d+)\]")
+
+
+def to_request(messages: list[Any], settings: ServeSettings) -> Request:
+    """Fetch, validate and decode one chat request's messages. Raises APIError (400 / 413) naming the element."""
+    limits = settings.limits
+    media: dict[str, list[bytes]] = {"image": [], "video": []}
+    where_of: dict[str, list[str]] = {"image": [], "video": []}
+    rows: list[Any] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise APIError(400, f"messages[{i}]: expected a {{role, content}} object", param=f"messages[{i}]",
+                           code="invalid_value")
+        m = {k: v for k, v in m.items() if k in ("role", "content")}
+        m["role"] = ROLE_ALIASES.get(m.get("role"), m.get("role"))
+        if isinstance(m.get("content"), list):
+            parts = []
+            for j, part in enumerate(m["content"]):
+                parts.append(_part(part, f"messages[{i}].content[{j}]", settings, media, where_of))
+            m["content"] = parts
+        rows.append(m)
+    n_media = len(media["image"]) + len(media["video"])
+    if n_media > limits.max_media_parts:
+        raise APIError(400, f"messages: {n_media} image/video parts; this server takes at most "
+                       f"{limits.max_media_parts} per request", param="messages", code="too_many_media_parts")
+    row = {"messages": rows, "image": media["image"] or None, "video": media["video"] or None}
+    try:
+        return prepare_row(row, settings.decode)
+    except RowError as e:
+        err = from_row_error(e)
+        hit = _INDEXED.match(e.field)
+        if hit:  # "image[1]: corrupt ..." -> the part it came from
+            err.param = where_of[hit.group(1)][int(hit.group(2))]
+            err.message = err.message.replace(e.field, err.param, 1)
+        raise err from e
+
+
+def _part(part: Any, where: str, settings: ServeSettings, media: dict[str, list[bytes]],
+          where_of: dict[str, list[str]]) -> Any:
+    """One content part: text passes through (checked by the batch layer), media is fetched, others refused."""
+    if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
+        raise APIError(400, f"{where}: expected a part like {{\"type\": \"text\", \"text\": ...}}", param=where,
+                       code="invalid_value")
+    kind = part["type"]
+    if kind == "text":
+        return dict(part)
+    if kind not in MEDIA_PART_TYPES:
+        raise APIError(400, f"{where}.type: unsupported content part type {kind!r}; this server takes text, "
+                       "image_url and video_url parts", param=f"{where}.type", code="unsupported_content_type")
+    ref = part.get(kind)
+    url = ref.get("url") if isinstance(ref, Mapping) else ref
+    media_kind = MEDIA_PART_TYPES[kind]
+    limit = settings.limits.max_image_bytes if media_kind == "image" else settings.limits.max_video_bytes
+    loc = f"{where}.{kind}"
+    media[media_kind].append(fetch_media(url, media_kind, limit, loc, settings.decode.s3, settings.fetch))
+    where_of[media_kind].append(loc)
+    return {"type": media_kind}
+
+
+def frames_as_images(request: Request, video_as_frames: bool) -> Request:
+    """For families that take a clip as its frames (LLaVA ...): each video part of the messages becomes one image
+    part per frame, so that the chat template places every frame. The processor gets images before frames, so a
+    video part may not come before an image part."""
+    if not video_as_frames or not request.videos or request.messages is None:
+        return request
+    order = [p["type"] for m in request.messages for p in m["content"] if p["type"] in ("image", "video")]
+    if "video" in order and "image" in order[order.index("video"):]:
+        raise APIError(400, "messages: this model takes a video as its frames after all images; put image_url "
+                       "parts before video_url parts", param="messages", code="unsupported_request")
+    clips = iter(request.videos)
+    messages = [dict(m, content=[q for p in m["content"] for q in (
+        [{"type": "image"}] * len(next(clips)) if p["type"] == "video" else [p])]) for m in request.messages]
+    return dataclasses.replace(request, messages=messages)

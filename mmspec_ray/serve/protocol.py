@@ -1,0 +1,99 @@
+"""The slice of OpenAI's chat completions schema this server accepts, and the response / chunk bodies it sends."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from mmspec_ray.serve.errors import APIError
+from mmspec_ray.spec.output import Generation, GenerationStats
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class ChatRequest(BaseModel):
+    """POST /v1/chat/completions body. Unknown fields are ignored (clients send many); `messages` is checked
+    part by part in messages.py so that errors name the bad element."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    messages: list[Any] = Field(..., min_length=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = Field(1, ge=1, le=1, description="one choice per request (batch-size-1 decoding)")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return v
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+def parse_request(data: Any) -> ChatRequest:
+    """Validate a decoded JSON body; the first problem becomes a 400 naming its field."""
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_request")
+    try:
+        return ChatRequest.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        raise APIError(400, f"{param}: {err['msg']}", param=param, code="invalid_value") from None
+
+
+def completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex[:24]}"
+
+
+def usage(stats: GenerationStats, completion_tokens: int) -> dict[str, Any]:
+    """OpenAI usage, plus this server's speculative decoding stats (accepted draft tokens per verify cycle)."""
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": stats.prompt_tokens + completion_tokens}
+
+
+def spec_stats(stats: GenerationStats) -> dict[str, Any]:
+    """The speculative decoding figures of one answer (`spec_stats` in every final body)."""
+    return {"accepted_per_cycle": round(stats.mean_accepted, 4), "tokens_per_forward": round(stats.tokens_per_forward, 4),
+            "cycles": stats.cycles, "prefill_s": round(stats.prefill_s, 6), "decode_s": round(stats.total_s, 6)}
+
+
+def completion_body(cid: str, model: str, gen: Generation) -> dict[str, Any]:
+    return {
+        "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text},
+                     "finish_reason": gen.finish_reason, "logprobs": None}],
+        "usage": usage(gen.stats, len(gen.token_ids)),
+        "spec_stats": spec_stats(gen.stats),
+    }
+
+
+def chunk_body(cid: str, model: str, created: int, delta: dict[str, Any], finish: str | None = None,
+               **extra: Any) -> dict[str, Any]:
+    return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
+
+
+def sse_event(body: dict[str, Any]) -> str:
+    """One server-sent event carrying a JSON body."""
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"

@@ -1,0 +1,141 @@
+"""Fixtures shared by the Serve test modules: one local Ray + Serve instance on loopback with two apps built from
+the tiny LLaVA checkpoint (`main`: auth on, roomy queue; `tight`: one request at a time, a queue of one), and the
+SpecEngine reference the endpoint's answers must match."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import socket
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+MODEL = "tiny-llava"
+KEY = "sk-test-not-a-secret"
+KEY_ENV = "MMSPEC_SERVE_TEST_KEY"
+FRAMES = 4
+
+
+def png(img) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def data_url(data: bytes, mime: str) -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServeApp:
+    port: int
+    key: str
+    s3: Any
+    bucket: str
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @staticmethod
+    def handle(name: str):
+        from ray import serve
+
+        return serve.get_app_handle(name)
+
+
+def app_args(ckpt: str, s3_config, **over: Any) -> dict[str, Any]:
+    args: dict[str, Any] = {
+        "decode": {"target": ckpt, "drafter": "ngram", "device": "cpu", "media": {"num_frames": FRAMES},
+                   "s3": s3_config.model_dump()},
+        "model_name": MODEL,
+        "default_max_tokens": 16,
+        "limits": {"max_body_bytes": 2_000_000, "max_image_bytes": 200_000, "max_video_bytes": 400_000,
+                   "max_tokens": 10_000, "max_media_parts": 4},
+        "deployment": {"ray_actor_options": {"num_cpus": 0.5}, "health_check_period_s": 2},
+    }
+    args.update(over)
+    return args
+
+
+@pytest.fixture(scope="module")
+def serve_app(ckpt, s3_server):
+    """Ray (2 CPUs, no dashboard) + Serve on 127.0.0.1:<free port>; apps `main` at / and `tight` at /tight."""
+    import ray
+    from ray import serve
+
+    from mmspec_ray.serve.app import build_app
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ[KEY_ENV] = KEY  # replicas inherit the driver's environment (read there, never logged)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        bucket = s3_server.new_bucket("serve")
+        serve.run(build_app(app_args(ckpt, s3_server.s3_config, api_key_env=KEY_ENV, deployment={
+            "ray_actor_options": {"num_cpus": 0.5}, "max_ongoing_requests": 2, "max_queued_requests": 64})),
+            name="main", route_prefix="/")
+        serve.run(build_app(app_args(ckpt, s3_server.s3_config, deployment={
+            "ray_actor_options": {"num_cpus": 0.5}, "max_ongoing_requests": 1, "max_queued_requests": 1})),
+            name="tight", route_prefix="/tight")
+        yield ServeApp(port=port, key=KEY, s3=s3_server, bucket=bucket)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    """SpecEngine (n-gram drafter) on a Request built by hand from the same messages and media bytes."""
+    from mmspec_ray.config import SamplingParams
+    from mmspec_ray.drafters.base import load_drafter
+    from mmspec_ray.media import load_image, load_video
+    from mmspec_ray.spec.engine import SpecEngine
+    from mmspec_ray.targets import Request, load_target
+
+    target = load_target(ckpt)
+    engine = SpecEngine(target, load_drafter("ngram", target))
+
+    def run(messages: list[dict], max_new: int, images: list[bytes] = (), videos: list[bytes] = ()):
+        # LLaVA takes a clip as its frames: each video part is FRAMES image parts, its frames come after the images
+        msgs = []
+        for m in messages:
+            content = m["content"]
+            if isinstance(content, str):
+                content = [{"type": "text", "text": content}]
+            parts = []
+            for p in content:
+                parts += [p] if p["type"] == "text" else [{"type": "image"}] * (FRAMES if p["type"] == "video_url" else 1)
+            msgs.append({"role": m["role"], "content": parts})
+        frames = [f for v in videos for f in load_video(v, num_frames=FRAMES).frames]
+        request = Request(messages=msgs, images=tuple(load_image(b) for b in images) + tuple(frames))
+        return engine.generate(request, SamplingParams(), max_new)
+
+    return run
+
+
+def post(app: ServeApp, path: str, body: Any, headers: dict[str, str] | None = None, method: str = "POST",
+         key: bool = True):
+    """A raw HTTP request; returns the response (an HTTPError is a response too). `body`: dict, bytes or None."""
+    data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+    h = {"Content-Type": "application/json", **(headers or {})}
+    if key:
+        h.setdefault("Authorization", f"Bearer {app.key}")
+    req = urllib.request.Request(app.url + path, data=data, headers=h, method=method)
+    try:
+        return urllib.request.urlopen(req, timeout=60)
+    except urllib.error.HTTPError as e:
+        return e
