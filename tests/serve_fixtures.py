@@ -44,6 +44,7 @@ class ServeApp:
     key: str
     s3: Any
     bucket: str
+    metrics_port: int
 
     @property
     def url(self) -> str:
@@ -80,7 +81,9 @@ def serve_app(ckpt, s3_server):
 
     os.environ["RAY_AUTH_MODE"] = "disabled"
     os.environ[KEY_ENV] = KEY  # replicas inherit the driver's environment (read there, never logged)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    metrics_port = free_port()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             _metrics_export_port=metrics_port)
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -91,7 +94,7 @@ def serve_app(ckpt, s3_server):
         serve.run(build_app(app_args(ckpt, s3_server.s3_config, deployment={
             "ray_actor_options": {"num_cpus": 0.5}, "max_ongoing_requests": 1, "max_queued_requests": 1})),
             name="tight", route_prefix="/tight")
-        yield ServeApp(port=port, key=KEY, s3=s3_server, bucket=bucket)
+        yield ServeApp(port=port, key=KEY, s3=s3_server, bucket=bucket, metrics_port=metrics_port)
     finally:
         serve.shutdown()
         ray.shutdown()

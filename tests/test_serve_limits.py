@@ -1,0 +1,191 @@
+"""The Serve endpoint's refusals and limits: every bad request type gets its status code and an OpenAI-style error
+body; a bounded load test on loopback (20 clients, 200 requests) loses nothing; deliberate overload gets only 200s
+and 503s (with Retry-After); the metrics reach Ray's Prometheus endpoint."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import urllib.request
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+
+from serve_fixtures import MODEL, data_url, png, post, reference, serve_app  # noqa: E402,F401
+from mmspec_ray.toy.clips import encode_mp4  # noqa: E402
+from tiny import random_images  # noqa: E402
+
+
+def chat(**over) -> dict:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "red circle"}], "max_tokens": 4,
+            "temperature": 0}
+    body.update(over)
+    return body
+
+
+def user_parts(*parts) -> list[dict]:
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": "what is it"}]}]
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def expect(resp, status: int, code: str | None = None, param: str | None = None) -> dict:
+    raw = resp.read()
+    assert resp.status == status, raw[:300]
+    body = json.loads(raw)
+    err = body["error"]
+    assert err["message"] and err["type"]
+    if code is not None:
+        assert err["code"] == code, err
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+BAD_JSON = [
+    ("not json", b"{\"model\": ", 400, "invalid_json", None),
+    ("not an object", b"[1, 2]", 400, "invalid_request", None),
+]
+
+BAD_REQUESTS = [
+    ("no messages", {"messages": None}, 400, "invalid_value", "messages"),
+    ("empty messages", {"messages": []}, 400, "invalid_value", "messages"),
+    ("bad temperature", {"temperature": -1}, 400, "invalid_value", "temperature"),
+    ("several choices", {"n": 2}, 400, "invalid_value", "n"),
+    ("unknown model", {"model": "gpt-9"}, 400, "model_not_found", "model"),
+    ("bad role", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "invalid", "messages[0].role"),
+    ("audio part", {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}, 400,
+     "unsupported_content_type", "messages[0].content[0].type"),
+    ("prompt too long for the context", {"max_tokens": 9000}, 400, "context_length_exceeded", "messages"),
+    ("max_tokens over the server limit", {"max_tokens": 20000}, 400, "invalid_value", "max_tokens"),
+    ("http url while fetching is off", {"messages": user_parts(image_part("https://example.com/a.png"))}, 400,
+     "invalid_url", "messages[0].content[0].image_url"),
+    ("a local path", {"messages": user_parts(image_part("/etc/passwd"))}, 400, "invalid_url", None),
+    ("data url not base64", {"messages": user_parts(image_part("data:image/png;base64,@@@"))}, 400,
+     "invalid_url", None),
+    ("not an image", {"messages": user_parts(image_part(data_url(b"not a png at all", "image/png")))}, 400,
+     "media_unsupported", "messages[0].content[0].image_url"),
+    ("too many media parts", {"messages": user_parts(*[image_part(data_url(b"x", "image/png"))] * 5)}, 400,
+     "too_many_media_parts", "messages"),
+]
+
+
+@pytest.mark.parametrize("name,raw,status,code,param", BAD_JSON, ids=[c[0] for c in BAD_JSON])
+def test_malformed_body(serve_app, name, raw, status, code, param):
+    expect(post(serve_app, "/v1/chat/completions", raw), status, code, param)
+
+
+@pytest.mark.parametrize("name,over,status,code,param", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_request(serve_app, name, over, status, code, param):
+    expect(post(serve_app, "/v1/chat/completions", chat(**over)), status, code, param)
+
+
+def test_missing_s3_object(serve_app):
+    uri = f"s3://{serve_app.bucket}/no/such.png"
+    expect(post(serve_app, "/v1/chat/completions", chat(messages=user_parts(image_part(uri)))), 400,
+           "media_not_found", "messages[0].content[0].image_url")
+
+
+def test_size_limits_413(serve_app):
+    big = post(serve_app, "/v1/chat/completions", chat(pad="x" * 2_100_000))
+    expect(big, 413, "too_large")
+    noise = random_images(1, seed=1, size=300)[0]  # ~270 kB as PNG: over the 200 kB image limit
+    expect(post(serve_app, "/v1/chat/completions", chat(messages=user_parts(image_part(data_url(png(noise),
+           "image/png"))))), 413, "too_large", "messages[0].content[0].image_url")
+    s3_uri = serve_app.s3.put(serve_app.bucket, "big.png", png(noise))
+    expect(post(serve_app, "/v1/chat/completions", chat(messages=user_parts(image_part(s3_uri)))), 413, "too_large")
+    clip = encode_mp4(random_images(40, seed=2, size=128), fps=8)  # noise compresses badly: well over 400 kB
+    assert len(clip) > 400_000
+    video = {"type": "video_url", "video_url": {"url": data_url(clip, "video/mp4")}}
+    expect(post(serve_app, "/v1/chat/completions", chat(messages=user_parts(video))), 413, "too_large",
+           "messages[0].content[0].video_url")
+
+
+def test_auth_401(serve_app):
+    expect(post(serve_app, "/v1/chat/completions", chat(), key=False), 401, "invalid_api_key")
+    expect(post(serve_app, "/v1/chat/completions", chat(), {"Authorization": "Bearer wrong"}), 401, "invalid_api_key")
+    expect(post(serve_app, "/v1/models", None, method="GET", key=False), 401, "invalid_api_key")
+    client = openai.OpenAI(base_url=f"{serve_app.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+    client = openai.OpenAI(base_url=f"{serve_app.url}/v1", api_key=serve_app.key, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:  # the SDK reads the error body
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.status_code == 400 and e.value.code == "model_not_found"
+
+
+def _hammer(url: str, key: str, jobs: list[str], clients: int, max_tokens: int) -> list[tuple[int, str]]:
+    """POST every prompt in `jobs` from `clients` threads; (status, content or Retry-After) per request."""
+    def one(prompt: str) -> tuple[int, str]:
+        body = json.dumps(chat(messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens)).encode()
+        req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json",
+                                                              "Authorization": f"Bearer {key}"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())["choices"][0]["message"]["content"]
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers.get("Retry-After") or ""
+
+    with ThreadPoolExecutor(clients) as pool:
+        return list(pool.map(one, jobs))
+
+
+def test_load_20_clients_200_requests_none_lost(serve_app, reference):
+    prompts = ["red circle", "blue square left", "two green stars", "what is there"]
+    want = {p: reference([{"role": "user", "content": p}], max_new=6).text for p in prompts}
+    jobs = [prompts[i % len(prompts)] for i in range(200)]
+    t0 = time.time()
+    results = _hammer(f"{serve_app.url}/v1/chat/completions", serve_app.key, jobs, 20, 6)
+    assert time.time() - t0 < 150
+    assert len(results) == 200
+    assert Counter(s for s, _ in results) == {200: 200}
+    assert all(content == want[p] for p, (_, content) in zip(jobs, results))
+
+
+def test_overload_gets_only_200_and_503_with_retry_after(serve_app):
+    """The `tight` app: one request decoding, a queue of one; 20 clients at once must overflow it."""
+    jobs = ["red circle"] * 100
+    results = _hammer(f"{serve_app.url}/tight/v1/chat/completions", serve_app.key, jobs, 20, 40)
+    statuses = Counter(s for s, _ in results)
+    assert set(statuses) == {200, 503} and sum(statuses.values()) == 100, statuses
+    assert all(extra == "1" for s, extra in results if s == 503)  # Retry-After from backpressure_config
+    assert _hammer(f"{serve_app.url}/tight/v1/chat/completions", serve_app.key, ["red"], 1, 4)[0][0] == 200
+
+
+def test_metrics_on_ray_prometheus_endpoint(serve_app):
+    names = ["ray_mmspec_serve_requests", "ray_mmspec_serve_latency_s", "ray_mmspec_serve_tokens_per_s",
+             "ray_mmspec_serve_accepted_per_cycle", "ray_mmspec_serve_queue_depth",
+             "ray_mmspec_serve_time_to_first_token_s"]
+    post(serve_app, "/v1/chat/completions", chat()).read()
+    deadline, text = time.time() + 60, ""
+    while time.time() < deadline:
+        with urllib.request.urlopen(f"http://127.0.0.1:{serve_app.metrics_port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        if all(n in text for n in names):
+            break
+        time.sleep(2)
+    missing = [n for n in names if n not in text]
+    assert not missing, missing
+    ok = re.search(r'ray_mmspec_serve_requests_total\{[^}]*status="200"[^}]*\} (\d+)', text) or \
+        re.search(r'ray_mmspec_serve_requests\{[^}]*status="200"[^}]*\} (\d+)', text)
+    assert ok and float(ok.group(1)) >= 1
+
+
+def test_health_answers_while_a_request_decodes(serve_app):
+    """max_ongoing_requests 2: GET /health is not stuck behind a long decode."""
+    t = threading.Thread(target=lambda: post(serve_app, "/v1/chat/completions", chat(max_tokens=400)).read())
+    t.start()
+    time.sleep(0.3)
+    t0 = time.perf_counter()
+    with post(serve_app, "/health", None, method="GET") as r:
+        assert r.status == 200
+    assert time.perf_counter() - t0 < 2.0
+    t.join(60)
