@@ -158,7 +158,7 @@ class ChatServer:
             self.waiting -= 1
         self.metrics.depth(self.waiting, 1)
         run = DecodeRun(lambda: self.decoder.stream(request, sampling, max_tokens, stop), self.executor,
-                        on_step=self._step)
+                        on_step=self._step, every_step=req.stream)
         run.future.add_done_callback(self._release)
         try:
             first = await run.peek()  # prefill + first token: a too-long prompt fails here

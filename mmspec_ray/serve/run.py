@@ -30,11 +30,12 @@ class DecodeRun:
     """Drives one engine generator on `executor` (one thread: batch-size-1 decoding) and queues its steps."""
 
     def __init__(self, start: Callable[[], Generator[list[int], None, Generation]], executor: Executor,
-                 on_step: Callable[[list[int]], None] | None = None) -> None:
+                 on_step: Callable[[list[int]], None] | None = None, every_step: bool = True) -> None:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Step] = asyncio.Queue()
         self._cancel = threading.Event()
         self._on_step = on_step
+        self._every_step = every_step  # False: queue only the first step and the end (no per-step wake-ups)
         self.cancelled = False  # True when the thread stopped early because of cancel()
         self._head: Step | None = None  # a step looked at by peek() and not yet consumed
         self.future = self.loop.run_in_executor(executor, self._produce, start)
@@ -62,6 +63,7 @@ class DecodeRun:
     def _produce(self, start: Callable[[], Generator[list[int], None, Generation]]) -> None:
         try:
             steps = start()
+            first = True
             while True:
                 if self._cancel.is_set():
                     steps.close()
@@ -74,7 +76,9 @@ class DecodeRun:
                     return
                 if self._on_step is not None:
                     self._on_step(tokens)
-                self._put(Step(tokens=tokens, at=time.perf_counter()))
+                if self._every_step or first:
+                    self._put(Step(tokens=tokens, at=time.perf_counter()))
+                first = False
         except BaseException as e:  # reported to the request; the replica keeps serving
             self._put(Step(error=e, at=time.perf_counter()))
 

@@ -1,0 +1,80 @@
+"""The Serve configs in deployments/: valid for Ray's config schema (plus a key check that schema lacks) and for
+`build_app`'s args; and `serve run` of the toy config, pointed at the tiny checkpoint, answers on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("ray")
+from ray.serve.schema import DeploymentSchema, ServeDeploySchema  # noqa: E402
+
+from mmspec_ray.serve.app import DEPLOYMENT_NAME  # noqa: E402
+from mmspec_ray.serve.settings import ServeSettings  # noqa: E402
+from serve_fixtures import free_port  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "deployments").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_config_is_valid(path):
+    data = yaml.safe_load(path.read_text())
+    config = ServeDeploySchema.model_validate(data)
+    for app in data["applications"]:
+        assert app["import_path"] == "mmspec_ray.serve.app:build_app"
+        ServeSettings.model_validate(app["args"])
+        for dep in app["deployments"]:
+            assert dep["name"] == DEPLOYMENT_NAME
+            unknown = set(dep) - set(DeploymentSchema.model_fields)  # the schema ignores typos: catch them here
+            assert not unknown, unknown
+    assert config.applications
+
+
+def test_serve_run_toy_config_with_the_tiny_checkpoint(ckpt, tmp_path):
+    data = yaml.safe_load((ROOT / "deployments" / "toy.yaml").read_text())
+    port = free_port()
+    data["http_options"]["port"] = port
+    app = data["applications"][0]
+    app["args"]["decode"]["target"] = ckpt
+    app["args"]["model_name"] = "tiny"
+    app["deployments"][0]["ray_actor_options"] = {"num_cpus": 0.5}
+    cfg = tmp_path / "toy-tiny.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=str(ROOT))
+    env.pop("RAY_ADDRESS", None)
+    serve_cli = str(Path(sys.executable).parent / "serve")
+    proc = subprocess.Popen([serve_cli, "run", "--address", "local", str(cfg)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline, ready = time.time() + 150, False
+        while time.time() < deadline and proc.poll() is None and not ready:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as r:
+                    ready = json.loads(r.read())["data"][0]["id"] == "tiny"
+            except (urllib.error.URLError, ConnectionError, OSError):
+                time.sleep(1)
+        assert ready, proc.stdout.read().decode()[-3000:] if proc.poll() is not None else "not ready in time"
+        body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "red"}], "max_tokens": 5,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert json.loads(r.read())["usage"]["completion_tokens"] == 5
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)  # serve run shuts Serve and its own Ray down on Ctrl-C
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
