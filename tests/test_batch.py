@@ -330,12 +330,13 @@ def test_s3_outage_during_media_reads_loses_no_good_row(s3_server, ray_cluster, 
         proxy.down = True  # S3 unreachable for the whole first run
         first = run_job(spec)
         kinds = first["all_rows"]["errors_by_kind"]
-        assert first["complete"] and kinds == {"media.unavailable": 3}, kinds
+        assert first["complete"] and kinds == {"media.unavailable": 3} and first["retryable_rows"] == 3, kinds
         out1 = pq.read_table(tmp_path / "out").to_pylist()
         done1 = {r["id"]: r["decode_seconds"] for r in out1 if r["error"] is None}
         proxy.down = False
         second = run_job(spec)  # the re-run retries exactly the unavailable rows
         assert second["retried_rows"] == 3 and second["run"]["rows"] == 3 and second["all_rows"]["errors"] == 0
+        assert second["retryable_rows"] == 0
     finally:
         proxy.close()
     out = pq.read_table(tmp_path / "out")

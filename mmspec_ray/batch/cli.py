@@ -169,7 +169,8 @@ def plan(job: str, a: argparse.Namespace) -> tuple[JobSpec, pa.Table | None]:
 
 
 def main(argv: list[str] | None, job: str) -> int:
-    """Run a job; a job-level mistake (bad input, output or settings) prints one line and returns 2."""
+    """Run a job. Exit codes: 0 done; 1 rows missing from the output; 2 a job-level mistake (bad input, output or
+    settings: one line printed); 3 done, but some rows failed transiently and a re-run would retry them."""
     a = build_parser(job).parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -191,7 +192,13 @@ def main(argv: list[str] | None, job: str) -> int:
         print(f"error: job setting {where}: {first['msg']} (got {first.get('input')!r})", file=sys.stderr)
         return 2
     print(json.dumps(summary, indent=2, default=str))
-    return 0 if summary["complete"] else 1
+    if not summary["complete"]:
+        return 1
+    if summary["retryable_rows"]:
+        print(f"{summary['retryable_rows']} rows failed with transient errors (media store unreachable): re-run the "
+              "same command to decode just those rows", file=sys.stderr)
+        return 3
+    return 0
 
 
 def entry(job: str) -> None:

@@ -131,7 +131,7 @@ def scan(loc: Location, columns: list[str] | None = None) -> tuple[OutputState, 
         parsed = _parse(i.path) if _is_top(loc, i.path) else None
         if parsed:
             mine.setdefault(parsed[0], []).append((parsed[1], i.path))
-        elif not i.path.rsplit("/", 1)[-1] in (MARKER_NAME, SUMMARY_NAME):
+        elif i.path.rsplit("/", 1)[-1] not in (MARKER_NAME, SUMMARY_NAME):
             foreign.append(i.path)
     if foreign:
         log.warning("output %s holds %d file(s) this job did not write (e.g. %s): ignored, left in place", loc.uri,

@@ -85,6 +85,7 @@ def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = Sp
     end_state, written = scan_output(out, SUMMARY_COLUMNS)
     meta = _meta(spec, t_start, state.removed + end_state.removed, end_state.foreign, retried)
     summary = summarize(written, ids, todo, wall, meta, progress)
+    summary["retryable_rows"] = sum(summary["all_rows"]["errors_by_kind"].get(k, 0) for k in RETRYABLE_KINDS)
     write_json(out.child(SUMMARY_NAME), summary)
     log.info(format_summary(summary))
     return summary
