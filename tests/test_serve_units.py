@@ -1,0 +1,163 @@
+"""Serve pieces without Ray: the engine's streaming form, streamed text deltas, media URL fetching rules,
+settings. (The endpoint itself: test_serve.py, test_serve_limits.py.)"""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import threading
+
+import pytest
+
+from mmspec_ray.config import S3Config, SamplingParams
+from mmspec_ray.serve import fetch as fetch_mod
+from mmspec_ray.serve.errors import APIError
+from mmspec_ray.serve.fetch import fetch_media, is_public_address
+from mmspec_ray.serve.settings import FetchSettings, ServeSettings
+from mmspec_ray.serve.text import TextStream
+
+S3 = S3Config(endpoint_override="127.0.0.1:1", scheme="http")
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt):
+    from mmspec_ray.drafters.base import load_drafter
+    from mmspec_ray.spec.engine import SpecEngine
+    from mmspec_ray.targets import load_target
+
+    target = load_target(ckpt)
+    return SpecEngine(target, load_drafter("ngram", target))
+
+
+def test_stream_steps_concatenate_to_generate(engine):
+    from mmspec_ray.targets import Request
+
+    req = Request(prompt="red circle left")
+    steps = engine.stream(req, SamplingParams(), 20)
+    got = []
+    while True:
+        try:
+            got.append(next(steps))
+        except StopIteration as done:
+            gen = done.value
+            break
+    assert got[0] and len(got[0]) == 1  # the prefill's token comes alone, before any verify cycle
+    assert len(got) == gen.stats.cycles + 1
+    assert [t for step in got for t in step] == gen.token_ids == engine.generate(req, SamplingParams(), 20).token_ids
+
+
+def test_stream_closed_early_stops_and_the_next_request_is_unaffected(engine):
+    from mmspec_ray.targets import Request
+
+    req = Request(prompt="blue square")
+    steps = engine.stream(req, SamplingParams(), 200)
+    next(steps), next(steps)
+    steps.close()
+    assert engine.generate(req, SamplingParams(), 12).token_ids == engine.generate(req, SamplingParams(), 12).token_ids
+
+
+class _Tok:
+    """Character-level stand-in tokenizer: id i is chr(i)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def test_text_stream_holds_back_possible_stop_strings():
+    ts = TextStream(_Tok(), ("END",))
+    out = [ts.push([ord(c)]) for c in "abcE"]
+    assert "".join(out) == "abc"  # "E" may start "END": held back
+    assert ts.push([ord("x")]) == "Ex"  # ruled out: sent
+    assert ts.push([ord(c) for c in "yEN"]) == "y"
+    assert ts.push([ord("D"), ord("z")]) == ""  # the stop string: nothing of it is sent
+    assert ts.finish("abcExy") == "" and ts.sent == "abcExy"
+
+
+def test_text_stream_holds_back_partial_characters():
+    ts = TextStream(_Tok())
+    assert ts.push([ord("a"), 0xFFFD]) == "a"
+    assert ts.finish("a\u00e9") == "\u00e9"
+
+
+@pytest.mark.parametrize("ip,public", [("127.0.0.1", False), ("10.1.2.3", False), ("192.168.0.1", False),
+                                       ("169.254.169.254", False), ("::1", False), ("fe80::1", False),
+                                       ("::ffff:127.0.0.1", False), ("100.64.0.1", False), ("0.0.0.0", False),
+                                       ("8.8.8.8", True), ("2606:4700::1111", True)])
+def test_public_address_rule(ip, public):
+    assert is_public_address(ip) is public
+
+
+def _status(fn) -> tuple[int, str | None]:
+    with pytest.raises(APIError) as e:
+        fn()
+    return e.value.status, e.value.code
+
+
+def test_http_urls_off_by_default_and_limited_to_the_allow_list():
+    off = FetchSettings()
+    assert _status(lambda: fetch_media("http://example.com/a.png", "image", 100, "x", S3, off)) == (400, "invalid_url")
+    only = FetchSettings(allow_hosts=("images.example.com",))
+    assert _status(lambda: fetch_media("https://evil.example.net/a.png", "image", 100, "x", S3, only))[0] == 400
+    loop = FetchSettings(allow_hosts=("localhost", "127.0.0.1"))  # listed, but loopback is refused anyway
+    assert _status(lambda: fetch_media("http://localhost/a.png", "image", 100, "x", S3, loop))[0] == 400
+    assert _status(lambda: fetch_media("http://127.0.0.1:1/a.png", "image", 100, "x", S3, loop))[0] == 400
+    assert _status(lambda: fetch_media("file:///etc/passwd", "image", 100, "x", S3, loop)) == (400, "invalid_url")
+
+
+def test_data_urls():
+    raw = b"0123456789" * 10
+    url = "data:image/png;base64," + base64.b64encode(raw).decode()
+    assert fetch_media(url, "image", 100, "x", S3, FetchSettings()) == raw
+    assert _status(lambda: fetch_media(url, "image", 99, "x", S3, FetchSettings())) == (413, "too_large")
+    assert _status(lambda: fetch_media("data:image/png,abc", "image", 99, "x", S3, FetchSettings()))[0] == 400
+
+
+@pytest.fixture()
+def http_server():
+    """A loopback HTTP server: /ok.png (200 bytes), /big.png (5000 bytes), /moved (302)."""
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/moved":
+                self.send_response(302)
+                self.send_header("Location", "http://169.254.169.254/")
+                self.end_headers()
+                return
+            body = b"x" * (200 if self.path == "/ok.png" else 5000)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1]
+    server.shutdown()
+
+
+def test_allowed_http_fetch_pins_the_checked_address(http_server, monkeypatch):
+    """With the address rule relaxed for this loopback server only, the fetch path itself: body, size, redirects."""
+    monkeypatch.setattr(fetch_mod, "is_public_address", lambda ip: ip in ("127.0.0.1", "::1"))
+    ok = FetchSettings(allow_hosts=("localhost",))
+    base = f"http://localhost:{http_server}"
+    assert fetch_media(f"{base}/ok.png", "image", 1000, "x", S3, ok) == b"x" * 200
+    assert _status(lambda: fetch_media(f"{base}/big.png", "image", 1000, "x", S3, ok)) == (413, "too_large")
+    assert _status(lambda: fetch_media(f"{base}/moved", "image", 1000, "x", S3, ok))[0] == 400  # not followed
+
+
+def test_settings(monkeypatch):
+    s = ServeSettings.model_validate({"decode": {"target": "/models/llava-1.5-7b/"}, "api_key_env": "MMSPEC_K"})
+    assert s.served_name == "llava-1.5-7b"
+    monkeypatch.delenv("MMSPEC_K", raising=False)
+    with pytest.raises(ValueError, match="MMSPEC_K"):
+        s.api_key()
+    monkeypatch.setenv("MMSPEC_K", "k")
+    assert s.api_key() == "k"
+    opts = ServeSettings.model_validate({"decode": {"target": "t"}, "deployment": {
+        "max_queued_requests": 3, "ray_actor_options": {"num_gpus": 1}}}).deployment_options()
+    assert opts["max_queued_requests"] == 3 and opts["max_ongoing_requests"] == 2
+    assert opts["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 1}
+    with pytest.raises(ValueError):
+        ServeSettings.model_validate({"decode": {"target": "t"}, "limitz": {}})
