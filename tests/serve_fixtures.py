@@ -121,7 +121,8 @@ def reference(ckpt):
                 content = [{"type": "text", "text": content}]
             parts = []
             for p in content:
-                parts += [p] if p["type"] == "text" else [{"type": "image"}] * (FRAMES if p["type"] == "video_url" else 1)
+                n = FRAMES if p["type"] == "video_url" else 1
+                parts += [p] if p["type"] == "text" else [{"type": "image"}] * n
             msgs.append({"role": m["role"], "content": parts})
         frames = [f for v in videos for f in load_video(v, num_frames=FRAMES).frames]
         request = Request(messages=msgs, images=tuple(load_image(b) for b in images) + tuple(frames))

@@ -108,7 +108,7 @@ def _post(url: str, body: dict[str, Any]) -> tuple[float, float | None, dict[str
 
 
 def through_serve(url: str, reqs: list[dict[str, Any]], clients: int, stream: bool) -> dict[str, Any]:
-    lat, ttft, tokens, engine_s = [], [], 0, []
+    lat, ttft, tokens, engine_s, server_s, queue_s = [], [], 0, [], [], []
     lock = threading.Lock()
 
     def one(body: dict[str, Any]) -> None:
@@ -121,10 +121,13 @@ def through_serve(url: str, reqs: list[dict[str, Any]], clients: int, stream: bo
             if not stream:
                 tokens += out["usage"]["completion_tokens"]
                 engine_s.append(out["spec_stats"]["decode_s"])
+                server_s.append(out["spec_stats"]["server_s"])
+                queue_s.append(out["spec_stats"]["queue_s"])
 
     for body in reqs[:3]:
         one(body)  # warm-up
-    lat.clear(), ttft.clear(), engine_s.clear()
+    for xs in (lat, ttft, engine_s, server_s, queue_s):
+        xs.clear()
     tokens = 0
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
@@ -137,6 +140,11 @@ def through_serve(url: str, reqs: list[dict[str, Any]], clients: int, stream: bo
     else:
         res["tokens_per_s"] = tokens / wall
         res["engine_in_replica_p50_ms"] = pct(engine_s, 50) * 1e3
+        # where a request's time went outside the engine: in the replica (parse, media, hand-offs; queue wait
+        # excluded) and outside it (client, HTTP proxy, Ray hop)
+        res["replica_overhead_p50_ms"] = pct([v - e - q for v, e, q in zip(server_s, engine_s, queue_s)], 50) * 1e3
+        res["proxy_http_p50_ms"] = pct([t - v for t, v in zip(lat, server_s)], 50) * 1e3
+        res["queue_p50_ms"] = pct(queue_s, 50) * 1e3
     return res
 
 
@@ -206,7 +214,17 @@ def table(r: dict[str, Any]) -> str:
     one = next(s for s in r["serve"] if s["clients"] == 1 and not s["stream"])
     lines.append("")
     lines.append(f"Serve overhead at 1 client, p50: {one['p50_ms'] - e50:+.1f} ms over the engine alone "
-                 f"(engine p50 {e50:.1f} ms; the replica's own engine time p50 {one['engine_in_replica_p50_ms']:.1f} ms).")
+                 f"(engine p50 {e50:.1f} ms; the replica's own engine time p50 "
+                 f"{one['engine_in_replica_p50_ms']:.1f} ms).")
+    lines.append("")
+    lines.append("| clients | engine in replica p50 ms | replica overhead p50 ms | proxy + HTTP p50 ms "
+                 "| queue wait p50 ms |")
+    lines.append("|---|---|---|---|---|")
+    for s in r["serve"]:
+        if not s["stream"]:
+            lines.append(f"| {s['clients']} | {s['engine_in_replica_p50_ms']:.1f} "
+                         f"| {s['replica_overhead_p50_ms']:.1f} | {s['proxy_http_p50_ms']:.1f} "
+                         f"| {s['queue_p50_ms']:.1f} |")
     return "\n".join(lines) + "\n"
 
 

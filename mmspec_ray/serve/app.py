@@ -107,7 +107,8 @@ class ChatServer:
             self._count(500, False)
             return APIError(500, f"internal error while decoding: {type(e).__name__}").response()
         self._done(t0, first, gen, False)
-        return JSONResponse(completion_body(completion_id(), self.model, gen))
+        timing = {"queue_s": round(run.queued_s, 6), "server_s": round(time.perf_counter() - t0, 6)}
+        return JSONResponse(completion_body(completion_id(), self.model, gen, timing))
 
     # ---------- pieces ----------
     def _auth(self, request: HTTPRequest) -> None:
@@ -152,14 +153,17 @@ class ChatServer:
         stop = req.stop_strings()
         self.waiting += 1
         self.metrics.depth(self.waiting, int(self.slot.locked()))
+        tq = time.perf_counter()
         try:
             await self.slot.acquire()
         finally:
             self.waiting -= 1
+        queued_s = time.perf_counter() - tq
         self.metrics.depth(self.waiting, 1)
         run = DecodeRun(lambda: self.decoder.stream(request, sampling, max_tokens, stop), self.executor,
                         on_step=self._step, every_step=req.stream)
         run.future.add_done_callback(self._release)
+        run.queued_s = queued_s
         try:
             first = await run.peek()  # prefill + first token: a too-long prompt fails here
         except asyncio.CancelledError:
@@ -210,7 +214,9 @@ class ChatServer:
             rest = text.finish(gen.text)
             if rest:
                 yield sse_event(chunk_body(cid, self.model, created, {"content": rest}))
-            yield sse_event(chunk_body(cid, self.model, created, {}, gen.finish_reason, spec_stats=spec_stats(gen.stats)))
+            yield sse_event(chunk_body(cid, self.model, created, {}, gen.finish_reason, spec_stats={
+                **spec_stats(gen.stats), "queue_s": round(run.queued_s, 6),
+                "server_s": round(time.perf_counter() - t0, 6)}))
             if req.stream_options and req.stream_options.include_usage:
                 yield sse_event({"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model,
                               "choices": [], "usage": usage(gen.stats, len(gen.token_ids))})

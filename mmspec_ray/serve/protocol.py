@@ -73,18 +73,20 @@ def usage(stats: GenerationStats, completion_tokens: int) -> dict[str, Any]:
 
 
 def spec_stats(stats: GenerationStats) -> dict[str, Any]:
-    """The speculative decoding figures of one answer (`spec_stats` in every final body)."""
-    return {"accepted_per_cycle": round(stats.mean_accepted, 4), "tokens_per_forward": round(stats.tokens_per_forward, 4),
-            "cycles": stats.cycles, "prefill_s": round(stats.prefill_s, 6), "decode_s": round(stats.total_s, 6)}
+    """The speculative decoding figures of one answer (`spec_stats` in every final body; the server adds queue_s,
+    its wait for the decoder, and server_s, its time from reading the request to sending the answer)."""
+    return {"accepted_per_cycle": round(stats.mean_accepted, 4),
+            "tokens_per_forward": round(stats.tokens_per_forward, 4), "cycles": stats.cycles,
+            "prefill_s": round(stats.prefill_s, 6), "decode_s": round(stats.total_s, 6)}
 
 
-def completion_body(cid: str, model: str, gen: Generation) -> dict[str, Any]:
+def completion_body(cid: str, model: str, gen: Generation, timing: dict[str, float] | None = None) -> dict[str, Any]:
     return {
         "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text},
                      "finish_reason": gen.finish_reason, "logprobs": None}],
         "usage": usage(gen.stats, len(gen.token_ids)),
-        "spec_stats": spec_stats(gen.stats),
+        "spec_stats": {**spec_stats(gen.stats), **(timing or {})},
     }
 
 

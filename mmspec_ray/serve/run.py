@@ -37,6 +37,7 @@ class DecodeRun:
         self._on_step = on_step
         self._every_step = every_step  # False: queue only the first step and the end (no per-step wake-ups)
         self.cancelled = False  # True when the thread stopped early because of cancel()
+        self.queued_s = 0.0  # how long the request waited for the decoder (set by the server)
         self._head: Step | None = None  # a step looked at by peek() and not yet consumed
         self.future = self.loop.run_in_executor(executor, self._produce, start)
 
