@@ -15,7 +15,6 @@ import base64
 import io
 import json
 import os
-import statistics
 import threading
 import time
 import urllib.request
@@ -66,27 +65,54 @@ def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
 
 
-def engine_direct(settings: Any, reqs: list[dict[str, Any]]) -> dict[str, Any]:
-    """SpecEngine through SpecDecoder.stream in this process, one request after another (media decoded first,
-    not timed: the Serve figures include it)."""
-    from mmspec_ray.batch.decoder import SpecDecoder
-    from mmspec_ray.config import SamplingParams
-    from mmspec_ray.serve.messages import frames_as_images, to_request
+class Engine:
+    """SpecEngine through the same SpecDecoder class, in this process; media decoded ahead (not timed)."""
 
-    dec = SpecDecoder(settings.decode)
-    lat, tokens, prefill, cycle = [], 0, [], []
-    prepared = [frames_as_images(to_request(r["messages"], settings), dec.target.video_as_frames) for r in reqs]
-    for i, request in enumerate([prepared[0]] * 3 + prepared):
+    def __init__(self, settings: Any, reqs: list[dict[str, Any]]) -> None:
+        from mmspec_ray.batch.decoder import SpecDecoder
+        from mmspec_ray.serve.messages import frames_as_images, to_request
+
+        self.dec = SpecDecoder(settings.decode)
+        self.max_tokens = reqs[0]["max_tokens"]
+        self.prepared = [frames_as_images(to_request(r["messages"], settings), self.dec.target.video_as_frames)
+                         for r in reqs]
+
+    def run(self, i: int) -> tuple[float, Any]:
+        from mmspec_ray.config import SamplingParams
+
         t0 = time.perf_counter()
-        gen = dec.engine.generate(request, SamplingParams(), reqs[0]["max_tokens"])
-        dt = time.perf_counter() - t0
-        if i >= 3:  # after warm-up
-            lat.append(dt)
-            tokens += len(gen.token_ids)
-            prefill.append(gen.stats.prefill_s)
-            cycle.append((gen.stats.total_s - gen.stats.prefill_s) / max(1, gen.stats.cycles))
-    return {"p50_ms": pct(lat, 50) * 1e3, "p99_ms": pct(lat, 99) * 1e3, "tokens_per_s": tokens / sum(lat),
-            "prefill_p50_ms": pct(prefill, 50) * 1e3, "cycle_p50_ms": pct(cycle, 50) * 1e3, "n": len(lat)}
+        gen = self.dec.engine.generate(self.prepared[i], SamplingParams(), self.max_tokens)
+        return time.perf_counter() - t0, gen
+
+
+def paired(engine: Engine, url: str, reqs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One client: each request through the engine and through Serve back to back (order alternating), so both
+    see the same machine load; the overhead is the median of the per-request differences."""
+    eng, srv, srv_stream, ttft, diff, prefill, cycle, tokens = [], [], [], [], [], [], [], 0
+    for i in range(len(reqs)):
+        order = (0, 1, 2) if i % 2 == 0 else (2, 1, 0)
+        for what in order:
+            if what == 0:
+                dt, gen = engine.run(i)
+                eng.append(dt)
+                tokens += len(gen.token_ids)
+                prefill.append(gen.stats.prefill_s)
+                cycle.append((gen.stats.total_s - gen.stats.prefill_s) / max(1, gen.stats.cycles))
+            elif what == 1:
+                dt, _, out = _post(url, dict(reqs[i], stream=False))
+                srv.append(dt)
+            else:
+                dt, first, _ = _post(url, dict(reqs[i], stream=True))
+                srv_stream.append(dt)
+                ttft.append(first)
+        diff.append(srv[-1] - eng[-1])
+    ms = 1e3
+    return {"engine": {"p50_ms": pct(eng, 50) * ms, "p99_ms": pct(eng, 99) * ms, "tokens_per_s": tokens / sum(eng),
+                       "prefill_p50_ms": pct(prefill, 50) * ms, "cycle_p50_ms": pct(cycle, 50) * ms},
+            "serve": {"p50_ms": pct(srv, 50) * ms, "p99_ms": pct(srv, 99) * ms, "tokens_per_s": tokens / sum(srv)},
+            "serve_stream": {"p50_ms": pct(srv_stream, 50) * ms, "p99_ms": pct(srv_stream, 99) * ms,
+                             "ttft_p50_ms": pct(ttft, 50) * ms, "ttft_p99_ms": pct(ttft, 99) * ms},
+            "overhead_p50_ms": pct(diff, 50) * ms, "overhead_p99_ms": pct(diff, 99) * ms, "n": len(reqs)}
 
 
 def _post(url: str, body: dict[str, Any]) -> tuple[float, float | None, dict[str, Any]]:
@@ -181,18 +207,22 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(a.threads)
     results: dict[str, Any] = {"target": target, "drafter": a.drafter, "max_tokens": a.max_tokens,
                                "requests": a.requests, "threads": a.threads, "cpus": os.cpu_count()}
-    results["engine_before"] = engine_direct(settings, reqs)
+    engine = Engine(settings, reqs)
+    for i in range(3):
+        engine.run(i)  # warm-up
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": a.port})
         serve.run(build_app(args), name="bench", route_prefix="/")
         url = f"http://127.0.0.1:{a.port}/v1/chat/completions"
+        for body in reqs[:3]:
+            _post(url, body)  # warm-up
+        results["one_client"] = paired(engine, url, reqs)
         results["serve"] = [through_serve(url, reqs, c, s) for c in (1, a.clients) for s in (False, True)]
     finally:
         serve.shutdown()
         ray.shutdown()
-    results["engine_after"] = engine_direct(settings, reqs)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "serve.json").write_text(json.dumps(results, indent=2))
     (a.out / "serve.md").write_text(table(results))
@@ -200,31 +230,30 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def table(r: dict[str, Any]) -> str:
-    eng = [r["engine_before"], r["engine_after"]]
-    e50 = statistics.mean(e["p50_ms"] for e in eng)
-    lines = ["| path | clients | p50 ms | p99 ms | tokens/s | TTFT p50 / p99 ms |", "|---|---|---|---|---|---|"]
-    for name, e in zip(("engine direct (before)", "engine direct (after)"), eng):
-        lines.append(f"| {name} | 1 (sequential) | {e['p50_ms']:.1f} | {e['p99_ms']:.1f} | {e['tokens_per_s']:.1f} "
-                     f"| prefill {e['prefill_p50_ms']:.1f}, one cycle {e['cycle_p50_ms']:.1f} |")
+    one = r["one_client"]
+    e, sv, st = one["engine"], one["serve"], one["serve_stream"]
+    lines = [f"One client, each request through the engine and through Serve back to back ({one['n']} requests):", "",
+             "| path | p50 ms | p99 ms | tokens/s | first token p50 / p99 ms |", "|---|---|---|---|---|",
+             f"| engine direct | {e['p50_ms']:.1f} | {e['p99_ms']:.1f} | {e['tokens_per_s']:.1f} | prefill "
+             f"{e['prefill_p50_ms']:.1f} (+ one cycle {e['cycle_p50_ms']:.1f}) |",
+             f"| Serve | {sv['p50_ms']:.1f} | {sv['p99_ms']:.1f} | {sv['tokens_per_s']:.1f} | - |",
+             f"| Serve, streamed | {st['p50_ms']:.1f} | {st['p99_ms']:.1f} | - | {st['ttft_p50_ms']:.1f} / "
+             f"{st['ttft_p99_ms']:.1f} |", "",
+             f"Serve minus engine, same request: p50 {one['overhead_p50_ms']:+.1f} ms, p99 {one['overhead_p99_ms']:+.1f} "
+             "ms.", "", "Serve alone, by concurrent clients (one replica):", "",
+             "| clients | stream | p50 ms | p99 ms | tokens/s | TTFT p50 / p99 ms | engine in replica p50 ms "
+             "| replica overhead p50 ms | proxy + HTTP p50 ms | queue wait p50 ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for s in r["serve"]:
-        kind = "Serve, streamed" if s["stream"] else "Serve"
-        tps = f"{s['tokens_per_s']:.1f}" if "tokens_per_s" in s else "-"
-        ttft = f"{s['ttft_p50_ms']:.1f} / {s['ttft_p99_ms']:.1f}" if s["stream"] else "-"
-        lines.append(f"| {kind} | {s['clients']} | {s['p50_ms']:.1f} | {s['p99_ms']:.1f} | {tps} | {ttft} |")
-    one = next(s for s in r["serve"] if s["clients"] == 1 and not s["stream"])
-    lines.append("")
-    lines.append(f"Serve overhead at 1 client, p50: {one['p50_ms'] - e50:+.1f} ms over the engine alone "
-                 f"(engine p50 {e50:.1f} ms; the replica's own engine time p50 "
-                 f"{one['engine_in_replica_p50_ms']:.1f} ms).")
-    lines.append("")
-    lines.append("| clients | engine in replica p50 ms | replica overhead p50 ms | proxy + HTTP p50 ms "
-                 "| queue wait p50 ms |")
-    lines.append("|---|---|---|---|---|")
-    for s in r["serve"]:
-        if not s["stream"]:
-            lines.append(f"| {s['clients']} | {s['engine_in_replica_p50_ms']:.1f} "
-                         f"| {s['replica_overhead_p50_ms']:.1f} | {s['proxy_http_p50_ms']:.1f} "
-                         f"| {s['queue_p50_ms']:.1f} |")
+        if s["stream"]:
+            lines.append(f"| {s['clients']} | yes | {s['p50_ms']:.1f} | {s['p99_ms']:.1f} | - | "
+                         f"{s['ttft_p50_ms']:.1f} / "
+                         f"{s['ttft_p99_ms']:.1f} | - | - | - | - |")
+        else:
+            lines.append(f"| {s['clients']} | no | {s['p50_ms']:.1f} | {s['p99_ms']:.1f} | "
+                         f"{s['tokens_per_s']:.1f} | - "
+                         f"| {s['engine_in_replica_p50_ms']:.1f} | {s['replica_overhead_p50_ms']:.1f} "
+                         f"| {s['proxy_http_p50_ms']:.1f} | {s['queue_p50_ms']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
