@@ -107,7 +107,8 @@ class ChatServer:
             self._count(500, False)
             return APIError(500, f"internal error while decoding: {type(e).__name__}").response()
         self._done(t0, first, gen, False)
-        timing = {"queue_s": round(run.queued_s, 6), "server_s": round(time.perf_counter() - t0, 6)}
+        timing = {"queue_s": round(run.queued_s, 6), "server_s": round(time.perf_counter() - t0, 6),
+                  "first_token_s": round((first or t0) - t0, 6)}
         return JSONResponse(completion_body(completion_id(), self.model, gen, timing))
 
     # ---------- pieces ----------
@@ -216,7 +217,7 @@ class ChatServer:
                 yield sse_event(chunk_body(cid, self.model, created, {"content": rest}))
             yield sse_event(chunk_body(cid, self.model, created, {}, gen.finish_reason, spec_stats={
                 **spec_stats(gen.stats), "queue_s": round(run.queued_s, 6),
-                "server_s": round(time.perf_counter() - t0, 6)}))
+                "server_s": round(time.perf_counter() - t0, 6), "first_token_s": round((first or t0) - t0, 6)}))
             if req.stream_options and req.stream_options.include_usage:
                 yield sse_event({"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model,
                               "choices": [], "usage": usage(gen.stats, len(gen.token_ids))})
