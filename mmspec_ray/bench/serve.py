@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from fastapi import Request  # module level: FastAPI resolves the noop route's annotation here
 from PIL import Image
 
 PROMPTS = ["Describe the image briefly.", "What colour is the large object?", "How many objects are there?",
@@ -181,7 +182,7 @@ def through_serve(url: str, reqs: list[dict[str, Any]], clients: int, stream: bo
 def noop_floor(port: int, reqs: list[dict[str, Any]]) -> float:
     """p50 ms of the same request bodies sent to a FastAPI Serve app that only parses them: Serve's own floor
     on this machine (HTTP, proxy, the Ray hop, JSON)."""
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI
     from ray import serve
 
     api = FastAPI()
