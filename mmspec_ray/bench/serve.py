@@ -8,8 +8,7 @@
 cost per forward is toy-s's, which is what an overhead measurement needs.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: FastAPI reads the noop route's parameter types at run time.
 import argparse
 import base64
 import io
@@ -23,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from fastapi import Request  # module level: FastAPI resolves the noop route's annotation here
 from PIL import Image
 
 PROMPTS = ["Describe the image briefly.", "What colour is the large object?", "How many objects are there?",
@@ -182,7 +180,7 @@ def through_serve(url: str, reqs: list[dict[str, Any]], clients: int, stream: bo
 def noop_floor(port: int, reqs: list[dict[str, Any]]) -> float:
     """p50 ms of the same request bodies sent to a FastAPI Serve app that only parses them: Serve's own floor
     on this machine (HTTP, proxy, the Ray hop, JSON)."""
-    from fastapi import FastAPI
+    from fastapi import FastAPI, Request
     from ray import serve
 
     api = FastAPI()
