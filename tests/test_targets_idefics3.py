@@ -45,7 +45,7 @@ def test_images_are_split_and_media_mask_counts_image_tokens(target):
     assert out.hidden.shape == (1, len(ids), t.hidden_size)
     assert set(out.layers) == {1} and out.layers[1].shape == out.hidden.shape
     with torch.inference_mode():
-        assert torch.allclose(t.lm_head(out.hidden).float(), out.logits, atol=1e-4)
+        assert torch.allclose(t.lm_head(out.hidden[:, -1:]).float(), out.logits, atol=1e-4)
     assert out.inputs_embeds.shape == out.hidden.shape
     # the image features really reach the decoder: another image changes the prompt's last logits
     other = t.prefill(t.encode(Request(prompt="what is there", images=(random_images(1, seed=9)[0], WIDE))))

@@ -49,7 +49,7 @@ def test_media_mask_counts_anyres_tokens(target):
         assert set(out.layers) == {1} and out.layers[1].shape == out.hidden.shape
         assert out.inputs_embeds.shape == out.hidden.shape
         with torch.inference_mode():
-            assert torch.allclose(t.lm_head(out.hidden).float(), out.logits, atol=1e-5)
+            assert torch.allclose(t.lm_head(out.hidden[:, -1:]).float(), out.logits, atol=1e-5)
     assert inputs["image_sizes"].tolist() == [[96, 96]] * 3
 
 

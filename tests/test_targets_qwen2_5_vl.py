@@ -84,7 +84,7 @@ def test_prefill_media_mask_counts_pad_tokens(target, name, image_tokens, video_
     assert out.hidden.shape == (1, ids.shape[1], t.hidden_size)
     assert set(out.layers) == {1} and out.layers[1].shape == out.hidden.shape
     with torch.inference_mode():
-        assert torch.allclose(t.lm_head(out.hidden).float(), out.logits, atol=1e-5)
+        assert torch.allclose(t.lm_head(out.hidden[:, -1:]).float(), out.logits, atol=1e-5)
     assert out.inputs_embeds.shape == out.hidden.shape
 
 

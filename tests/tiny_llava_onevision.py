@@ -111,14 +111,15 @@ def build_processor() -> TinyOnevisionProcessor:
     )
 
 
-def build_model(seed: int = 0, init: float = 0.3) -> LlavaOnevisionForConditionalGeneration:
+def build_model(seed: int = 0, init: float = 0.3, **text: object) -> LlavaOnevisionForConditionalGeneration:
     """2-layer Qwen2 text model (hidden 64) + 1-layer SigLIP tower (hidden 32), weights re-drawn at std `init`.
 
-    `init` is 0.3 rather than 0.5 for the reason given in tiny_llava_next (float32 noise vs LOGIT_TOL)."""
+    `init` is 0.3 rather than 0.5 for the reason given in tiny_llava_next (float32 noise vs LOGIT_TOL); `text`
+    overrides Qwen2Config fields (e.g. sliding-window attention)."""
     tok = onevision_tokenizer()
     vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                 image_size=TILE, patch_size=PATCH, vision_use_head=False, initializer_range=init)
-    text = Qwen2Config(**anyres_decoder(tok, init))
+    text = Qwen2Config(**{**anyres_decoder(tok, init), **text})
     config = LlavaOnevisionConfig(vision_config=vision, text_config=text, image_token_index=tok.image_token_id,
                                   video_token_index=tok.convert_tokens_to_ids(VIDEO), vision_feature_layer=-1,
                                   vision_feature_select_strategy="full", image_grid_pinpoints=PINPOINTS,
@@ -126,6 +127,6 @@ def build_model(seed: int = 0, init: float = 0.3) -> LlavaOnevisionForConditiona
     return ready(seeded_model(LlavaOnevisionForConditionalGeneration, config, seed), tok)
 
 
-def tiny_llava_onevision(seed: int = 0, init: float = 0.3):
-    """(model, processor) for the tiny LLaVA-OneVision."""
-    return build_model(seed, init), build_processor()
+def tiny_llava_onevision(seed: int = 0, init: float = 0.3, **text: object):
+    """(model, processor) for the tiny LLaVA-OneVision (`text`: Qwen2Config overrides)."""
+    return build_model(seed, init, **text), build_processor()

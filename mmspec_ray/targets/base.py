@@ -16,6 +16,8 @@ from transformers import DynamicCache
 
 log = logging.getLogger(__name__)
 
+SLIDING, FULL = "sliding_attention", "full_attention"
+
 
 class TargetError(ValueError):
     """A request this target cannot serve (wrong media kind, too long, missing processor ...). Says what to do."""
@@ -43,7 +45,7 @@ class Request:
 class TargetOutput:
     """What one target forward returns for its new positions (n = prompt length at prefill, tree size at verify)."""
 
-    logits: torch.Tensor  # [1, n, V] float32
+    logits: torch.Tensor  # [1, n, V] float32 at verify; [1, k, V] at prefill: the last k prompt positions only
     hidden: torch.Tensor  # [1, n, d] last layer after the final norm: exactly what lm_head consumes
     layers: dict[int, torch.Tensor] = field(default_factory=dict)  # {layer index: [1, n, d]} requested extras
     input_ids: torch.Tensor | None = None  # [1, n]
@@ -73,6 +75,7 @@ class VLMTarget:
         self.next_pos = 0  # position id of the next committed token (differs from seq_len under M-RoPE)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.layer_types, self.sliding_window = attention_layout(self.text_config)
 
     # ---------- model pieces drafters share ----------
     @property
@@ -166,18 +169,22 @@ class VLMTarget:
 
     # ---------- decoding primitives ----------
     def new_cache(self) -> DynamicCache:
-        """A fresh KV cache for one request (families whose cache layers drop tokens override this)."""
-        return DynamicCache(config=self.model.config)
+        """A fresh KV cache for one request. Every layer keeps every committed token (no config, so no sliding-window
+        layers that drop old keys): `verify`'s mask and `commit`'s slot arithmetic index the cache by absolute
+        position, and sliding windows are enforced by the tree mask instead (`tree_mask`)."""
+        return DynamicCache()
 
     def check_prefill(self, out) -> None:
         """Hook: validate a prefill's raw model output (e.g. that lm_head(hidden) reproduces its logits)."""
 
     @torch.inference_mode()
-    def prefill(self, inputs: dict[str, Any]) -> TargetOutput:
-        """Run the prompt (with media) and start a fresh KV cache."""
+    def prefill(self, inputs: dict[str, Any], logits_to_keep: int = 1) -> TargetOutput:
+        """Run the prompt (with media) and start a fresh KV cache. Logits are computed for the last
+        `logits_to_keep` positions only (0: every position, [1, L, V]: 1.8 GB at 3k tokens x 152k vocab)."""
         self.cache = self.new_cache()
         ids = inputs["input_ids"]
-        out = self.model(**inputs, past_key_values=self.cache, use_cache=True, output_hidden_states=True)
+        out = self.model(**inputs, past_key_values=self.cache, use_cache=True, output_hidden_states=True,
+                         logits_to_keep=logits_to_keep)
         self.seq_len = ids.shape[1]
         self.next_pos = self.after_prefill_position(inputs)
         self.check_prefill(out)
@@ -201,14 +208,24 @@ class VLMTarget:
         """[1, n] position ids of tree nodes (root at depth 0 takes `next_pos`)."""
         return (self.next_pos + depth).unsqueeze(0)
 
-    def tree_mask(self, ancestors: torch.Tensor, positions: torch.Tensor):
-        """Additive float mask [1, 1, n, seq_len + n]: every node sees the committed prefix, its ancestors and
-        itself. Families with per-layer masks (sliding windows) return a {layer type: mask} dict instead."""
+    def tree_mask(self, ancestors: torch.Tensor, depth: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Additive float mask [1, 1, n, seq_len + n]: every node sees the committed prefix, its ancestors and itself;
+        on sliding-window layers only keys less than `sliding_window` cache slots back, counting a node at depth d
+        as slot seq_len + d (as HF counts a generated token: by cache index, not rope position). One mask when all
+        layers are alike, else {layer type: mask} (the per-layer-type form HF's hybrid models accept)."""
         n, L = ancestors.shape[0], self.seq_len
         allowed = torch.ones((n, L + n), dtype=torch.bool, device=self.device)
         allowed[:, L:] = ancestors
-        mask = torch.zeros((1, 1, n, L + n), dtype=self.dtype, device=self.device)
-        return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        masks = {FULL: allowed, SLIDING: allowed}
+        if self.sliding_window is not None:
+            q = L + depth
+            k = torch.cat([torch.arange(L, device=self.device), q])
+            masks[SLIDING] = allowed & (q.unsqueeze(1) - k.unsqueeze(0) < self.sliding_window)
+        out = {}
+        for kind in set(self.layer_types):
+            m = torch.zeros((1, 1, n, L + n), dtype=self.dtype, device=self.device)
+            out[kind] = m.masked_fill_(~masks[kind], torch.finfo(self.dtype).min)
+        return next(iter(out.values())) if len(out) == 1 else out
 
     @torch.inference_mode()
     def verify(self, tokens: torch.Tensor, ancestors: torch.Tensor, depth: torch.Tensor) -> TargetOutput:
@@ -221,7 +238,7 @@ class VLMTarget:
         ids = tokens.view(1, n).to(self.device)
         out = self.model(
             input_ids=ids,
-            attention_mask=self.tree_mask(ancestors.to(self.device), positions),
+            attention_mask=self.tree_mask(ancestors.to(self.device), depth.to(self.device)),
             position_ids=positions,
             past_key_values=self.cache,
             use_cache=True,
@@ -234,20 +251,33 @@ class VLMTarget:
             input_ids=ids,
         )
 
+    @torch.inference_mode()
     def commit(self, keep: list[int]) -> None:
-        """Keep the KV of tree nodes `keep` (root first, in path order) and drop every other node."""
+        """Keep the KV of tree nodes `keep` (root first, in path order) and drop every other node. In place: the
+        accepted slots are gathered into the first len(keep) tree slots and the tail is cut off (a view), so the
+        cost is O(len(keep)) per layer, whatever the context length."""
         if self.cache is None:
             raise RuntimeError("commit before prefill")
-        L = self.seq_len
-        k = len(keep)
-        if keep == list(range(k)):  # a chain prefix: just drop the tail
-            for layer in self.cache.layers:
-                layer.keys = layer.keys[..., : L + k, :]
-                layer.values = layer.values[..., : L + k, :]
-        else:
-            idx = torch.cat([torch.arange(L), L + torch.tensor(keep, dtype=torch.long)]).to(self.device)
-            for layer in self.cache.layers:
-                layer.keys = layer.keys.index_select(-2, idx)
-                layer.values = layer.values.index_select(-2, idx)
+        L, k = self.seq_len, len(keep)
+        moved = keep != list(range(k))  # a chain prefix is already in place
+        src = torch.tensor(keep, dtype=torch.long, device=self.device) + L if moved else None
+        for layer in self.cache.layers:
+            if moved:
+                layer.keys[..., L:L + k, :] = layer.keys.index_select(-2, src)
+                layer.values[..., L:L + k, :] = layer.values.index_select(-2, src)
+            layer.keys = layer.keys[..., : L + k, :]
+            layer.values = layer.values[..., : L + k, :]
         self.seq_len = L + k
         self.next_pos += k
+
+
+def attention_layout(text_config) -> tuple[tuple[str, ...], int | None]:
+    """(attention kind of each decoder layer, sliding window or None), read as HF reads them: `layer_types` when
+    the config has it, else every layer sliding iff `sliding_window` is set (Mistral-style configs)."""
+    window = getattr(text_config, "sliding_window", None)
+    n = int(getattr(text_config, "num_hidden_layers", 1))
+    types = tuple(getattr(text_config, "layer_types", None) or [SLIDING if window else FULL] * n)
+    unknown = set(types) - {SLIDING, FULL}
+    if unknown:
+        raise TargetError(f"attention layer types {sorted(unknown)} are not supported (only {FULL}, {SLIDING})")
+    return types, (int(window) if window and SLIDING in types else None)

@@ -3,16 +3,11 @@ decoder whose layers alternate sliding-window ("sliding_attention") and global (
 
 What differs from the generic adapter, and why:
 
-* KV cache. `DynamicCache(config=...)` gives sliding layers a `DynamicSlidingWindowLayer` that keeps only the last
-  `sliding_window - 1` keys. The generic verify mask ([n, seq_len + n]) and commit (slice / index_select at absolute
-  cache indices) assume every layer holds all committed tokens, so here every layer keeps its full KV
-  (`DynamicCache()` without a config) and the window is enforced by the mask instead. Same attention, more memory
-  on the sliding layers.
-* Tree mask. One 4D mask for all layers would let sliding layers see the whole prefix, unlike HF generate. Verify
-  passes a mask per layer type (the model accepts the `{layer_type: mask}` dict as-is): global layers get
-  "committed prefix + tree ancestors"; sliding layers additionally need `q_pos - k_pos < sliding_window`, with
-  positions, not cache indices (tree node at depth d sits at `next_pos + d`, committed token j at position j).
-  Each node's visible set depends only on its own position and ancestors, so tree verify == each root-to-leaf path.
+* KV cache and tree mask: the generic ones (`VLMTarget.new_cache` / `tree_mask`). Every layer keeps its full KV and
+  the window is enforced by the mask: global layers see "committed prefix + tree ancestors", sliding layers
+  additionally only keys less than `sliding_window` slots back, passed as the `{layer_type: mask}` dict the model
+  accepts as-is. Each node's visible set depends only on its own depth and ancestors, so tree verify == each
+  root-to-leaf path.
 * Image tokens attend bidirectionally (within each image, and within the window on sliding layers) in prefill:
   the processor's `token_type_ids` go into the prefill forward unchanged, and HF builds that mask. Generated tokens
   are text, so verify needs only the causal tree mask (HF generate also drops `token_type_ids` after prefill).
@@ -29,13 +24,10 @@ import logging
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from mmspec_ray.targets.base import Request, TargetError, VLMTarget
 
 log = logging.getLogger(__name__)
-
-SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 class Gemma3Target(VLMTarget):
@@ -47,15 +39,8 @@ class Gemma3Target(VLMTarget):
 
     def __init__(self, model, processor, feature_layers: tuple[int, ...] = ()) -> None:
         super().__init__(model, processor, feature_layers)
-        tc = self.text_config
-        self.layer_types: tuple[str, ...] = tuple(getattr(tc, "layer_types", None) or [FULL] * tc.num_hidden_layers)
-        unknown = set(self.layer_types) - {SLIDING, FULL}
-        if unknown:
-            raise TargetError(f"gemma3 layer types {sorted(unknown)} are not supported by this adapter")
-        if getattr(tc, "use_bidirectional_attention", False):
+        if getattr(self.text_config, "use_bidirectional_attention", False):
             raise TargetError("this Gemma3 uses bidirectional text attention (an encoder); it cannot decode")
-        window = getattr(tc, "sliding_window", None)
-        self.sliding_window: int | None = int(window) if window and SLIDING in self.layer_types else None
         # Gemma3ForConditionalGeneration does not cap its logits; `_check_head` re-derives this on every prefill.
         self.logit_softcap: float | None = None
 
@@ -101,33 +86,8 @@ class Gemma3Target(VLMTarget):
         return inputs
 
     # ---------- decoding primitives ----------
-    def new_cache(self) -> DynamicCache:
-        """A cache whose every layer keeps all committed tokens (sliding layers included; see module docstring)."""
-        return DynamicCache()
-
     def check_prefill(self, out) -> None:
         self._check_head(out.hidden_states[-1], out.logits)
-
-    def tree_mask(self, ancestors: torch.Tensor, positions: torch.Tensor) -> dict[str, torch.Tensor]:
-        """{layer type: [1, 1, n, seq_len + n] additive float mask} for a tree with node positions [1, n]."""
-        positions = positions[0]
-        n, L = positions.shape[0], self.seq_len
-        if self.next_pos != L:  # committed token j must sit at position j for the window test below
-            raise RuntimeError(f"gemma3 positions out of step with the cache ({self.next_pos} != {L})")
-        allowed = torch.ones((n, L + n), dtype=torch.bool, device=self.device)
-        allowed[:, L:] = ancestors.to(self.device)
-        masks = {FULL: allowed}
-        if self.sliding_window is not None:
-            kv_pos = torch.cat([torch.arange(L, device=self.device), positions])
-            near = positions.unsqueeze(1) - kv_pos.unsqueeze(0) < self.sliding_window
-            masks[SLIDING] = allowed & near
-        else:
-            masks[SLIDING] = allowed
-        out = {}
-        for kind in set(self.layer_types):
-            m = torch.zeros((1, 1, n, L + n), dtype=self.dtype, device=self.device)
-            out[kind] = m.masked_fill_(~masks[kind], torch.finfo(self.dtype).min)
-        return out
 
 
 ADAPTERS = (Gemma3Target,)

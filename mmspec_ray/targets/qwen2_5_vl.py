@@ -50,11 +50,11 @@ class Qwen25VLTarget(VLMTarget):
                               f"{MAX_ASPECT_RATIO}:1; crop or pad it")
 
     @torch.inference_mode()
-    def prefill(self, inputs: dict[str, Any]) -> TargetOutput:
+    def prefill(self, inputs: dict[str, Any], logits_to_keep: int = 1) -> TargetOutput:
         """Clear the model's cached rope_deltas first: a text-only prompt leaves the attribute untouched, so a
         stale value from an earlier media request (or an HF `generate`) would otherwise be read back."""
         self._mrope_model().rope_deltas = None
-        return super().prefill(inputs)
+        return super().prefill(inputs, logits_to_keep)
 
     def after_prefill_position(self, inputs: dict[str, Any]) -> int:
         """Prompt length + the rope delta the model computed in this prefill (0 for a text-only prompt)."""
