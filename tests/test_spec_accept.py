@@ -169,3 +169,18 @@ def test_greedy_picks_the_matching_branch_and_bonus():
     assert accept_greedy(tree, logits) == ([0, 2, 3], 2)
     logits[2, 5], logits[2, 1] = -5, 1  # now the target wants 1 after 4: stop there, bonus 1
     assert accept_greedy(tree, logits) == ([0, 2], 1)
+
+
+def test_a_child_holding_all_the_leftover_mass_is_accepted_not_a_crash(monkeypatch):
+    """Rounding leaves a node's weights summing to 1 - 2^-24, all on the one drafted child, and the uniform draw
+    lands at the top of [0, 1): the child must be accepted (it holds all the mass), not rejected into an all-zero
+    residual that the bonus draw cannot sample from."""
+    top = 1.0 - 2.0 ** -24  # the largest float32 below 1
+    w = torch.zeros(V)
+    w[3] = top
+
+    monkeypatch.setattr(accept_mod, "warp", lambda logits, params: w.clone())
+    monkeypatch.setattr(accept_mod, "uniform", lambda generator: top)
+    tree = DraftTree.chain([0, 3])
+    path, bonus = accept(tree, torch.zeros(2, V), SamplingParams(temperature=1.0), torch.Generator())
+    assert path == [0, 1] and bonus == 3

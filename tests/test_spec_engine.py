@@ -169,3 +169,25 @@ def test_sampling_output_distribution_equals_the_target(tmp_path):
     assert accepted > n // 4  # drafts were really accepted (not a degenerate all-reject run)
     stat, df = chi2_stat(samples, probs, n)
     assert stat < chi2_critical(df), f"chi2 {stat:.1f} > {chi2_critical(df):.1f} (df {df})"
+
+
+@pytest.mark.parametrize("window_layers", [0, 1], ids=["all-sliding", "hybrid"])
+def test_sliding_window_decoder_stays_lossless_past_the_window(window_layers):
+    """A Qwen2 decoder with sliding-window attention (window 8, far shorter than prompt + answer): every layer, or
+    layer 1 only. Greedy spec decoding with non-chain commits == HF generate, which keeps sliding cache layers."""
+    from tiny_llava_onevision import tiny_llava_onevision
+
+    target = wrap(*tiny_llava_onevision(use_sliding_window=True, sliding_window=8, max_window_layers=window_layers))
+    assert target.sliding_window == 8 and target.layer_types[1] == "sliding_attention"
+    req = requests_for("llava_onevision")["image"]
+    inputs = target.encode(req)
+    with torch.inference_mode():
+        hf = target.model.generate(**inputs, do_sample=False, max_new_tokens=30)[0, inputs["input_ids"].shape[1]:]
+    ar = AREngine(target).generate(req, max_new_tokens=30)
+    assert ar.token_ids == hf.tolist()
+    full = AREngine(wrap(*tiny_llava_onevision())).generate(req, max_new_tokens=30)  # same weights, no window
+    assert full.token_ids != ar.token_ids  # the window really changes the answer
+    for s in range(3):
+        g = SpecEngine(target, PerturbedOracle(ar.token_ids, target.vocab_size, seed=s), TREE).generate(
+            req, max_new_tokens=30)
+        assert g.token_ids == hf.tolist(), s

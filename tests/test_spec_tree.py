@@ -80,3 +80,12 @@ def test_children_are_ordered_by_draft_score():
                   torch.tensor([0.0, -3.0, -1.0, -2.0]))
     assert t.children()[0] == [2, 3, 1]
     assert list(itertools.chain(*t.children()[1:])) == []
+
+
+def test_truncate_keeps_the_shallow_subtree_in_order():
+    par = torch.tensor([-1, 0, 0, 1, 3, 2, 4])
+    tree = DraftTree(torch.arange(10, 17), par, depths(par), -torch.arange(7.0))
+    cut = tree.truncate(2)
+    assert cut.tokens.tolist() == [10, 11, 12, 13, 15] and cut.parents.tolist() == [-1, 0, 0, 1, 2]
+    assert cut.depth.tolist() == [0, 1, 1, 2, 2] and cut.scores.tolist() == [0, -1, -2, -3, -5]
+    assert tree.truncate(0).tokens.tolist() == [10] and tree.truncate(9) is tree

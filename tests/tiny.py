@@ -102,6 +102,14 @@ def mute_eos(model, eos_id: int) -> None:
         model.get_output_embeddings().weight[eos_id].zero_()
 
 
+def let_eos_win_where(model, eos_id: int, token: int, gain: float = 1.05) -> None:
+    """Give eos a voice again (undoing mute_eos): its output row becomes `gain` x `token`'s, so greedy decoding emits
+    eos wherever it would have emitted `token` with a positive logit (and nowhere far from such a step)."""
+    with torch.no_grad():
+        w = model.get_output_embeddings().weight
+        w[eos_id] = gain * w[token]
+
+
 def random_image(width: int, height: int, seed: int = 0) -> Image.Image:
     """One random RGB image of any aspect ratio (anyres tiling and unpadding depend on it)."""
     rng = np.random.default_rng(seed)

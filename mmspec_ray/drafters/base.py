@@ -3,6 +3,10 @@
 Lifecycle per request: `begin(target, prefill, root)` -> repeat { `propose(root, cfg)` -> verify -> accept ->
 `observe(tokens, hidden, bonus)` }. `observe` receives the accepted path's tokens (root first) and the target's
 exact hidden states at those nodes, so a drafter's context holds target features, never its own guesses.
+
+Optional attribute `prefill_logits: int` (default 1): how many of the last prompt positions' logits the drafter
+needs from the prefill (0: all of them). The target computes no others, since [L, V] logits of a long prompt cost
+gigabytes.
 """
 
 from __future__ import annotations
@@ -51,11 +55,24 @@ def drafter_class(name: str) -> type:
     return _REGISTRY[name]
 
 
+def check_device(device: str | torch.device | None, target: "VLMTarget") -> None:
+    """A drafter runs on its target's device (it shares the target's embeddings, LM head and features); refuse a
+    `device` that names another one instead of ignoring it ("cuda" matches a target on "cuda:0")."""
+    if device is None:
+        return
+    want, have = torch.device(device), target.device
+    if want.type != have.type or (want.index is not None and have.index is not None and want.index != have.index):
+        raise ValueError(f"drafter device {want} differs from the target's device {have}; a drafter runs on its "
+                         "target's device (load the target there, or leave the drafter's device unset)")
+
+
 def load_drafter(spec: str | None, target: "VLMTarget", device: str | None = None) -> Drafter:
     """A ready drafter for `target` from a method name ("none", "ngram") or a trained drafter checkpoint directory
-    (`config.json` naming its `method` + `model.safetensors`). None or "" means no drafter (plain AR decoding)."""
+    (`config.json` naming its `method` + `model.safetensors`). None or "" means no drafter (plain AR decoding).
+    `device`, when given, must be the target's (see `check_device`)."""
     from pathlib import Path
 
+    check_device(device, target)
     if not spec or spec == "none":
         return drafter_class("none")()
     if spec in ("ngram",):

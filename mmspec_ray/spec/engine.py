@@ -49,10 +49,10 @@ class SpecEngine:
         inputs = t.encode(request)
         n_prompt = inputs["input_ids"].shape[1]
         t.check_length(n_prompt, max_new_tokens + self.tree.total_tokens)
-        gen = make_generator(sampling, "cpu")
+        gen = make_generator(sampling, t.device)  # acceptance runs where the logits are
         tracker = OutputTracker(t.tokenizer, t.eos_token_ids, max_new_tokens, stop)
         stats = GenerationStats(prompt_tokens=n_prompt)
-        out = t.prefill(inputs)
+        out = t.prefill(inputs, logits_to_keep=getattr(d, "prefill_logits", 1))
         root = pick(out.logits[0, -1], sampling, gen)
         stats.prefill_s = time.perf_counter() - t0
         done = tracker.add([root])
@@ -66,11 +66,11 @@ class SpecEngine:
         stats.draft_s += time.perf_counter() - td
         while True:
             td = time.perf_counter()
-            tree = d.propose(root, self.tree)
+            tree = d.propose(root, self.tree).truncate(tracker.remaining - 1)  # deeper nodes could never be emitted
             tv = time.perf_counter()
             v = t.verify(tree.tokens, tree.ancestors, tree.depth)
             ta = time.perf_counter()
-            path, bonus = accept(tree, v.logits[0].cpu(), sampling, gen)
+            path, bonus = accept(tree, v.logits[0], sampling, gen)
             t.commit(path)
             new = tree.tokens[path[1:]].tolist() + [bonus]
             stats.cycles += 1

@@ -39,8 +39,13 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
     return g
 
 
+def uniform(generator: torch.Generator) -> float:
+    """One U[0, 1) draw from `generator`, made on the generator's device (only the scalar leaves it)."""
+    return float(torch.rand((), generator=generator, device=generator.device))
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token id from a 1-D probability vector."""
+    """One token id from a 1-D vector of non-negative weights (normalised or not), drawn on its device."""
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 

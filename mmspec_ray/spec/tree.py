@@ -48,6 +48,18 @@ class DraftTree:
             k.sort(key=lambda j: -sc[j])
         return kids
 
+    def truncate(self, max_depth: int) -> "DraftTree":
+        """The subtree of nodes at depth <= max_depth (self when nothing is deeper). Node order is kept, so parents
+        still precede children; the engine cuts what could never be emitted before `max_new_tokens`."""
+        keep = torch.nonzero(self.depth <= max_depth).flatten()
+        if keep.numel() == self.size:
+            return self
+        index = torch.full((self.size,), -1, dtype=torch.long)
+        index[keep] = torch.arange(keep.numel())
+        par = self.parents[keep]
+        par = torch.where(par >= 0, index[par.clamp(min=0)], par)
+        return DraftTree(self.tokens[keep], par, self.depth[keep], self.scores[keep])
+
     @staticmethod
     def chain(tokens: list[int]) -> "DraftTree":
         """A single path (n-gram and semi-autoregressive drafters): a chain is a tree."""
