@@ -13,17 +13,6 @@ from pathlib import Path
 log = logging.getLogger("mmspec")
 
 
-def resolve_target(target: str) -> Path:
-    """A checkpoint directory, or the name of a toy world (built on first use)."""
-    from mmspec_ray.toy.model import TOY_SIZES
-
-    if target in TOY_SIZES:
-        from mmspec_ray.toy.build import build_toy
-
-        return build_toy(target).target
-    return Path(target)
-
-
 def cmd_toy_build(a: argparse.Namespace) -> int:
     from mmspec_ray.toy.build import build_toy
 
@@ -62,10 +51,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from mmspec_ray.spec.tree import TreeConfig
     from mmspec_ray.targets import Request, load_target
     from mmspec_ray.targets.hf import video_frames_for
+    from mmspec_ray.targets.registry import fetch_checkpoint
+    from mmspec_ray.toy.resolve import resolve_target
 
     if a.image and a.video:
         raise SystemExit("give --image or --video, not both")
-    path = resolve_target(a.target)
+    path = fetch_checkpoint(resolve_target(a.target))  # s3:// (S3Config.from_env) -> its local cache directory
     target = load_target(path)
     drafter = load_drafter(resolve_drafter(a.drafter, a.target), target)
     images = (load_image(a.image),) if a.image else ()
@@ -118,9 +109,18 @@ def _assistant(spec: str, target: str):
     return AutoModelForImageTextToText.from_pretrained(spec).eval() if spec else None
 
 
-def cmd_bench(a: argparse.Namespace) -> int:
-    from mmspec_ray.bench.run import BenchConfig, run_bench, write_results
+def bench_config(a: argparse.Namespace):
+    """The BenchConfig of `mmspec bench` flags (the seed included: it seeds every sampled run)."""
+    from mmspec_ray.bench.run import BenchConfig
     from mmspec_ray.spec.tree import TreeConfig
+
+    return BenchConfig(prompts=a.prompts, max_new_tokens=a.max_new_tokens, repeats=a.repeats,
+                       temperatures=tuple(a.temperatures), seed=a.seed,
+                       tree=TreeConfig(top_k=a.tree_top_k, depth=a.tree_depth, total_tokens=a.tree_tokens))
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from mmspec_ray.bench.run import run_bench, write_results
     from mmspec_ray.targets import load_target
     from mmspec_ray.toy.build import build_toy
     from mmspec_ray.toy.prompts import toy_requests
@@ -128,9 +128,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     world = build_toy(a.target)
     target = load_target(world.target)
     drafter = resolve_drafter(a.drafter, a.target) if a.drafter else None
-    cfg = BenchConfig(prompts=a.prompts, max_new_tokens=a.max_new_tokens, repeats=a.repeats,
-                      temperatures=tuple(a.temperatures),
-                      tree=TreeConfig(top_k=a.tree_top_k, depth=a.tree_depth, total_tokens=a.tree_tokens))
+    cfg = bench_config(a)
     tasks = tuple(a.tasks.split(",")) if a.tasks else None
     requests = list(toy_requests(world, "test", a.prompts, seed=a.seed, tasks=tasks))
     res = run_bench(target, requests, drafter, cfg, assistant=_assistant(a.assistant, a.target))
@@ -160,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(fn=cmd_toy_gate)
 
     gen = sub.add_parser("generate", help="answer one prompt about an image or a video")
-    gen.add_argument("--target", default="toy-s", help="checkpoint directory, or toy-s / toy-m")
+    gen.add_argument("--target", default="toy-s", help="checkpoint directory, s3://bucket/prefix, or toy-s / toy-m")
     gen.add_argument("--image")
     gen.add_argument("--video")
     gen.add_argument("--num-frames", type=int, default=None, help="frames sampled from --video")

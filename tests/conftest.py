@@ -62,14 +62,26 @@ class S3Server:
         return f"s3://{bucket}/{key}"
 
 
+def require(module: str):
+    """Import a test dependency or fail the test that needs it (never a quiet skip: a missing moto would otherwise
+    turn every S3 test into a skip and the suite green)."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        pytest.fail(f"test dependency {module} is missing ({e}); install the dev extras: pip install -e '.[dev]'",
+                    pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """Session-wide moto S3 server on an ephemeral loopback port, with fake credentials in the environment.
 
     Yields an `S3Server` with `.endpoint_url`, `.s3_config`, `.client`, `.new_bucket()` and `.put()`.
     """
-    pytest.importorskip("moto.server")
-    boto3 = pytest.importorskip("boto3")
+    require("moto.server")
+    boto3 = require("boto3")
     from moto.server import ThreadedMotoServer
 
     with pytest.MonkeyPatch.context() as mp:

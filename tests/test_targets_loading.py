@@ -220,7 +220,7 @@ BROKEN = {  # name -> (make the checkpoint from the saved tiny LLaVA, expected m
     "no_tokenizer": (lambda src, d: copy_without(src, d / "c", "tokenizer.json", "tokenizer_config.json"),
                      r"has no tokenizer files; save the processor next to the model"),
     "unsupported_model_type": (lambda src, d: make_llama_only(d / "c"),
-                               r"has model_type 'llama', which has no target adapter; supported: \[.*'llava'.*\]"),
+                               r"model type 'llama' has no target adapter; supported: \[.*'llava'.*\]"),
 }
 
 

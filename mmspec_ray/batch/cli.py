@@ -103,13 +103,9 @@ def flag_overrides(a: argparse.Namespace) -> dict[str, Any]:
 
 def resolve_target(target: str) -> str:
     """A toy world name becomes its (built on first use) checkpoint directory; anything else passes through."""
-    from mmspec_ray.toy.model import TOY_SIZES
+    from mmspec_ray.toy.resolve import resolve_target as resolve
 
-    if target in TOY_SIZES:
-        from mmspec_ray.toy.build import build_toy
-
-        return str(build_toy(target).target)
-    return target
+    return resolve(target)
 
 
 def frames_default(target: str) -> int | None:

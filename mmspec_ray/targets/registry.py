@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import importlib.util
 import json
 import logging
 import os
@@ -32,24 +31,42 @@ def families() -> dict[str, type[VLMTarget]]:
 
 # One module per family; each defines ADAPTERS, a tuple of VLMTarget subclasses.
 FAMILY_MODULES = ("llava", "llava_next", "llava_onevision", "qwen2_5_vl", "idefics3", "gemma3")
+_BROKEN: dict[str, str] = {}  # family module -> why it could not be imported
+_loaded = False
 
 
 def _load_builtin() -> None:
-    if _FAMILIES:
+    """Import every family module once. One that fails is logged with its error and named by `unsupported`, never
+    skipped without a word (nor does it stop the families after it from loading)."""
+    global _loaded
+    if _loaded:
         return
+    _loaded = True
     for name in FAMILY_MODULES:
         full = f"mmspec_ray.targets.{name}"
-        if importlib.util.find_spec(full) is None:  # family not implemented yet
+        try:
+            adapters = importlib.import_module(full).ADAPTERS
+        except Exception as e:  # ImportError, or any error raised while the module runs
+            _BROKEN[name] = f"{type(e).__name__}: {e}"
+            log.warning("target family %s is unavailable: %s cannot be imported (%s)", name, full, _BROKEN[name])
             continue
-        for cls in importlib.import_module(full).ADAPTERS:
+        for cls in adapters:
             register(cls)
+
+
+def unsupported(model_type: str | None) -> str:
+    """The error text for a model type without an adapter: the supported ones, and any family that failed to load."""
+    msg = f"model type {model_type!r} has no target adapter; supported: {sorted(families())}"
+    if _BROKEN:
+        msg += "; family modules that failed to import: " + "; ".join(f"{k} ({v})" for k, v in _BROKEN.items())
+    return msg
 
 
 def adapter_for(model) -> type[VLMTarget]:
     mt = model.config.model_type
     fam = families()
     if mt not in fam:
-        raise TargetError(f"model type {mt!r} has no target adapter; supported: {sorted(fam)}")
+        raise TargetError(unsupported(mt))
     return fam[mt]
 
 
@@ -68,8 +85,7 @@ def load_target(path_or_uri: str | Path, device: str = "cpu", dtype: torch.dtype
     # Unsupported families fail here, before any weights are read (AutoModel's own error is a list of 100 classes).
     model_type = json.loads((path / "config.json").read_text()).get("model_type")
     if model_type not in families():
-        raise TargetError(f"checkpoint {path} has model_type {model_type!r}, which has no target adapter; "
-                          f"supported: {sorted(families())}")
+        raise TargetError(f"checkpoint {path}: {unsupported(model_type)}")
     try:
         processor = AutoProcessor.from_pretrained(path)
     except Exception as e:  # ImportError / OSError / ValueError, depending on which sub-processor failed
