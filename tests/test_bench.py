@@ -3,7 +3,10 @@ speed is measured by `mmspec bench`, never by unit tests)."""
 
 from __future__ import annotations
 
-from mmspec_ray.bench.run import BenchConfig, run_bench, to_markdown
+import pytest
+
+from mmspec_ray.bench.run import BenchConfig, _hf_runner, run_bench, summarize, to_markdown
+from mmspec_ray.config import SamplingParams
 from mmspec_ray.spec.tree import TreeConfig
 from mmspec_ray.targets import Request, wrap
 from tiny import random_images, tiny_llava
@@ -26,7 +29,9 @@ def test_bench_records_every_method_and_token_counts_agree(tmp_path):
     assert set(res["summary"]["0.0"]) >= {"ar", "hf_generate", "ngram", "oracle"}
     assert "oracle" not in res["summary"]["1.0"]
     oracle = res["summary"]["0.0"]["oracle"]
-    assert oracle["tokens_per_forward"] > 2.0 and 0 < oracle["efficiency"]
+    assert oracle["tokens_per_forward"] > 2.0
+    assert oracle["efficiency"] == pytest.approx(oracle["decode_speedup_median"] / oracle["ideal_speedup"])
+    assert 0.02 < oracle["efficiency"] < 2.0, oracle  # a fraction of the ideal, give or take timing noise
     md = to_markdown(res, "tiny")
     assert "| oracle |" in md and "T = 1.0" in md
 
@@ -45,3 +50,43 @@ def test_cost_profile_measures_ar_steps_and_each_tree_size_and_leaves_the_target
     assert sorted(costs) == [1, 3, 5] and all(v > 0 for v in costs.values())
     # the profile's verify forwards are rolled back: the target still decodes the same answer afterwards
     assert AREngine(target).generate(req, SamplingParams(), max_new_tokens=6).token_ids == before
+
+
+def _run(method: str, temp: float, seconds: float, tokens: int, **engine) -> dict:
+    return {"temperature": temp, "prompt": 0, "repeat": 0, "method": method, "seconds": seconds, "tokens": tokens,
+            **engine}
+
+
+def test_summary_compares_time_per_token_and_computes_the_oracle_efficiency_exactly():
+    """At T > 0 answers differ in length: 20 tokens in 1 s is twice as fast as 10 tokens in 1 s (not equal)."""
+    eng = dict(prefill_s=0.1, draft_s=0.0, overhead_s=0.0)
+    runs = [_run("ar", 0.0, 1.0, 10, accepted=0, cycles=9, verify_s=0.8, **eng),
+            _run("oracle", 0.0, 0.4, 10, accepted=6, cycles=3, verify_s=0.27, **eng),
+            _run("ar", 1.0, 1.0, 10, accepted=0, cycles=9, verify_s=0.8, **eng),
+            _run("ngram", 1.0, 1.0, 20, accepted=10, cycles=9, verify_s=0.8, **eng),
+            _run("hf_generate", 1.0, 0.5, 5)]
+    s = summarize(runs)
+    assert s["1.0"]["ngram"]["speedup_median"] == pytest.approx(2.0)
+    assert s["1.0"]["hf_generate"]["speedup_median"] == pytest.approx(1.0)
+    assert s["1.0"]["ngram"]["decode_speedup_median"] == pytest.approx((0.9 / 9) / (0.9 / 19))
+    o = s["0.0"]["oracle"]
+    assert o["speedup_median"] == pytest.approx(2.5) and o["decode_speedup_median"] == pytest.approx(3.0)
+    # ideal: (2 accepted + 1) x AR step 0.1 s / verify 0.09 s per cycle; efficiency = 3.0 / ideal
+    assert o["ideal_speedup"] == pytest.approx(10 / 3) and o["efficiency"] == pytest.approx(0.9)
+
+
+def test_hf_peers_encode_inside_the_timed_call(monkeypatch):
+    target = wrap(*tiny_llava())
+    calls = []
+    encode = target.encode
+    monkeypatch.setattr(target, "encode", lambda req: calls.append(req) or encode(req))
+    run = _hf_runner(target, Request(prompt="describe the image"), 3, SamplingParams())
+    assert calls == []  # nothing done outside the timer
+    assert run()[0] == 3 and len(calls) == 1
+
+
+def test_bench_seed_flag_reaches_the_config():
+    from mmspec_ray.cli import bench_config, build_parser
+
+    assert bench_config(build_parser().parse_args(["bench", "--seed", "7"])).seed == 7
+    assert bench_config(build_parser().parse_args(["bench"])).seed == 0
