@@ -50,7 +50,7 @@ def test_training_lowers_the_loss_checkpoints_resume_and_stay_lossless(target, t
     cfg = TrainConfig(epochs=2, batch_size=4, lr=3e-3, warmup_steps=2, eval_max_new_tokens=8)
     out = train_eagle2(target, feats, tmp_path / "d", cfg, heldout=reqs(2, offset=100))
     hist = json.loads((out / "history.json").read_text())
-    assert [h["epoch"] for h in hist] == [1, 2] and all(h["heldout_tau"] >= 0 for h in hist)
+    assert [h["epoch"] for h in hist] == [1, 2] and all(0 <= h["heldout_tau"] <= TreeConfig().depth for h in hist)
     assert (out / "config.json").exists() and (out / "model.safetensors").exists()
     # resume: asking for 4 epochs continues from epoch 2
     out = train_eagle2(target, feats, tmp_path / "d", cfg.model_copy(update={"epochs": 4}), heldout=reqs(2, 100))
@@ -59,6 +59,11 @@ def test_training_lowers_the_loss_checkpoints_resume_and_stay_lossless(target, t
     assert hist[-1]["loss"] < hist[0]["loss"]
     d = load_drafter(str(out), target)
     assert isinstance(d, Eagle2Drafter)
+    # the recorded held-out τ is the saved drafter's real τ on those prompts (default tree, eval length)
+    eng = SpecEngine(target, d, TreeConfig())
+    stats = [eng.generate(r, max_new_tokens=cfg.eval_max_new_tokens).stats for r in reqs(2, offset=100)]
+    tau = sum(sum(st.accepted_per_cycle) for st in stats) / sum(st.cycles for st in stats)
+    assert hist[-1]["heldout_tau"] == pytest.approx(tau) and 0 <= tau <= TreeConfig().depth
     for r in reqs(3, offset=200):
         ar = AREngine(target).generate(r, max_new_tokens=24)
         sp = SpecEngine(target, d, TreeConfig(top_k=4, depth=3, total_tokens=12)).generate(r, max_new_tokens=24)
@@ -73,5 +78,10 @@ def test_load_drafter_errors_are_clear(target, tmp_path):
     cfg = json.loads((tmp_path / "ok" / "config.json").read_text())
     cfg["hidden_size"] = 999
     (tmp_path / "ok" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(Exception):
-        load_drafter(str(tmp_path / "ok"), target)
+    with pytest.raises(ValueError, match="trained for hidden size 999 .* the target has 64"):
+        load_drafter(str(tmp_path / "ok"), target)  # the config is checked before any weight is read
+    cfg["hidden_size"] = target.hidden_size
+    (tmp_path / "ok" / "config.json").write_text(json.dumps(cfg))
+    assert isinstance(load_drafter(str(tmp_path / "ok"), target, device="cpu"), Eagle2Drafter)
+    with pytest.raises(ValueError, match="drafter device meta differs from the target's device cpu"):
+        load_drafter(str(tmp_path / "ok"), target, device="meta")  # was accepted and ignored

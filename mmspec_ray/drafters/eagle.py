@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from mmspec_ray.drafters.base import register_drafter
+from mmspec_ray.drafters.base import check_device, register_drafter
 from mmspec_ray.drafters.layers import DecoderLayer
 from mmspec_ray.spec.tree import DraftTree, TreeConfig, grow_dynamic_tree
 
@@ -86,17 +86,21 @@ class Eagle2Head(nn.Module):
         return head
 
 
+def check_fits(cfg: Eagle2Config, target: "VLMTarget") -> None:
+    """A drafter trained for another hidden size or vocabulary cannot run on `target`: say so, and what to do."""
+    if cfg.hidden_size != target.hidden_size or (cfg.target_vocab_size and cfg.target_vocab_size != target.vocab_size):
+        raise ValueError(
+            f"drafter was trained for hidden size {cfg.hidden_size} / vocab {cfg.target_vocab_size} "
+            f"({cfg.target_model_type}) but the target has {target.hidden_size} / {target.vocab_size}; "
+            "train a drafter for this target with `mmspec train-drafter`")
+
+
 @register_drafter("eagle2")
 class Eagle2Drafter:
     """Per-request EAGLE-2 drafting state around a (frozen) head, bound to one target."""
 
     def __init__(self, head: Eagle2Head, target: "VLMTarget") -> None:
-        cfg = head.cfg
-        if cfg.hidden_size != target.hidden_size or (cfg.target_vocab_size and cfg.target_vocab_size != target.vocab_size):
-            raise ValueError(
-                f"drafter was trained for hidden size {cfg.hidden_size} / vocab {cfg.target_vocab_size} "
-                f"({cfg.target_model_type}) but the target has {target.hidden_size} / {target.vocab_size}; "
-                "train a drafter for this target with `mmspec train-drafter`")
+        check_fits(head.cfg, target)
         self.head = head.to(device=target.device, dtype=target.dtype).eval()
         self.target = target
         self.kv: tuple[torch.Tensor, torch.Tensor] | None = None  # KV buffers [1, Hkv, capacity, hd]
@@ -105,6 +109,9 @@ class Eagle2Drafter:
 
     @classmethod
     def load(cls, path: str | Path, target: "VLMTarget", device: str | None = None) -> "Eagle2Drafter":
+        """Check the saved config against `target` (and `device` against the target's) before reading weights."""
+        check_device(device, target)
+        check_fits(Eagle2Config(**json.loads((Path(path) / "config.json").read_text())), target)
         return cls(Eagle2Head.load(path), target)
 
     @classmethod
