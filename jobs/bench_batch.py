@@ -15,7 +15,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mmspec_ray.batch.bench import main
+from mmspec_ray.bench.pipeline import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
