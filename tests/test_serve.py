@@ -123,17 +123,24 @@ def test_usage_chunk_when_asked(client):
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == MAX_NEW and not chunks[-1].choices
 
 
-def test_client_disconnect_stops_decoding(serve_app):
-    """A stream of 3000 tokens, dropped after its first event: the replica stops within a few steps."""
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "not-streamed"])
+def test_client_disconnect_stops_decoding(serve_app, stream):
+    """An answer of 3000 tokens, dropped early (after its first event, or 1 s in): the replica stops decoding."""
     handle = serve_app.handle("main")
     before = handle.stats.remote().result()
     conn = http.client.HTTPConnection("127.0.0.1", serve_app.port, timeout=30)
     body = json.dumps({"model": MODEL, "messages": user(text("red")), "max_tokens": 3000, "temperature": 0,
-                       "stream": True})
+                       "stream": stream})
     conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json",
                                                          "Authorization": f"Bearer {serve_app.key}"})
-    resp = conn.getresponse()
-    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    if stream:
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    else:
+        deadline = time.time() + 20
+        while handle.stats.remote().result()["decoding"] == 0 and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
     conn.sock.close()
     conn.close()
     deadline = time.time() + 30
