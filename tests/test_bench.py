@@ -1,5 +1,6 @@
-"""The benchmark harness runs every method on the same requests and summarises them (no timing assertions:
-speed is measured by `mmspec bench`, never by unit tests)."""
+"""The benchmark harness runs every method on the same requests and summarises them. No speed assertions (speed is
+measured by `mmspec bench`, never by unit tests): the summary's arithmetic is checked exactly on made-up runs, and a
+real run only within bounds no machine should miss."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 
 from mmspec_ray.bench.run import BenchConfig, _hf_runner, run_bench, summarize, to_markdown
 from mmspec_ray.config import SamplingParams
-from mmspec_ray.spec.tree import TreeConfig
+from mmspec_ray.spec.tree import DraftTree, TreeConfig, depths
 from mmspec_ray.targets import Request, wrap
 from tiny import random_images, tiny_llava
 
@@ -90,3 +91,25 @@ def test_bench_seed_flag_reaches_the_config():
 
     assert bench_config(build_parser().parse_args(["bench", "--seed", "7"])).seed == 7
     assert bench_config(build_parser().parse_args(["bench"])).seed == 0
+
+
+def test_scale_profile_times_every_stage_and_its_old_commit_reference_matches_commit():
+    import torch
+
+    from mmspec_ray.bench.scale import copy_commit, cycle_costs, deepest_path, prompt, scale_target
+
+    target = scale_target(vocab=512, max_context=256)
+    costs = cycle_costs(target, (16, 48), cycles=3, warmup=1)
+    assert set(costs) == {16, 48}
+    for c in costs.values():
+        assert set(c) == {"draft", "verify", "accept_greedy", "accept_sampling", "commit"} and min(c.values()) > 0
+    par = torch.tensor([-1, 0, 0, 2, 1, 3])
+    tree = DraftTree(torch.arange(6), par, depths(par), torch.zeros(6))
+    assert deepest_path(tree) == [0, 2, 3, 5]
+    caches = []
+    for commit in (lambda t, keep: t.commit(keep), copy_commit):  # the reference equals the in-place commit
+        target.prefill(prompt(40, vocab=512))
+        target.verify(tree.tokens, tree.ancestors, tree.depth)
+        commit(target, deepest_path(tree))
+        caches.append([(lay.keys.clone(), lay.values.clone()) for lay in target.cache.layers])
+    assert all(torch.equal(a, b) for x, y in zip(*caches) for a, b in zip(x, y))
