@@ -65,6 +65,7 @@ BAD_REQUESTS = [
     ("audio part", {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}, 400,
      "unsupported_content_type", "messages[0].content[0].type"),
     ("prompt too long for the context", {"max_tokens": 9000}, 400, "context_length_exceeded", "messages"),
+    ("prompt too long, streamed", {"max_tokens": 9000, "stream": True}, 400, "context_length_exceeded", "messages"),
     ("max_tokens over the server limit", {"max_tokens": 20000}, 400, "invalid_value", "max_tokens"),
     ("http url while fetching is off", {"messages": user_parts(image_part("https://example.com/a.png"))}, 400,
      "invalid_url", "messages[0].content[0].image_url"),

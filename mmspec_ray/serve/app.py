@@ -4,7 +4,8 @@ One replica = one target + one drafter decoding one request at a time (batch siz
 `import_path` of a Serve config (deployments/*.yaml); `args` is `ServeSettings`.
 """
 
-# No `from __future__ import annotations` here: FastAPI reads the route parameter types at run time.
+# No `from __future__ import annotations` here: FastAPI reads the route parameter types at run time. Serve ships
+# the ingress class by value: helpers it calls live in other modules (a function defined below it is not found).
 import asyncio
 import hmac
 import json
@@ -23,15 +24,15 @@ from ray.serve import Application
 
 from mmspec_ray.batch.decoder import SpecDecoder
 from mmspec_ray.config import SamplingParams
-from mmspec_ray.serve.errors import APIError
-from mmspec_ray.serve.messages import frames_as_images, to_request
+from mmspec_ray.serve.errors import APIError, target_error
+from mmspec_ray.serve.messages import frames_as_images, remote_media, to_request
 from mmspec_ray.serve.metrics import ServeMetrics
 from mmspec_ray.serve.protocol import ChatRequest, chunk_body, completion_body, completion_id, parse_request, \
     spec_stats, sse_event, usage
 from mmspec_ray.serve.run import DecodeRun, drain
 from mmspec_ray.serve.settings import ServeSettings
 from mmspec_ray.serve.text import TextStream
-from mmspec_ray.targets import PromptTooLong, TargetError
+from mmspec_ray.targets import TargetError
 
 log = logging.getLogger(__name__)
 DEPLOYMENT_NAME = "ChatCompletions"
@@ -97,18 +98,22 @@ class ChatServer:
         if stream:
             return StreamingResponse(self._sse(req, run, tokenizer, t0), media_type="text/event-stream")
         try:
-            gen, first = await drain(run)
+            gen = await drain(run)
         except asyncio.CancelledError:
             run.cancel()
             self._count("cancelled", False)
             raise
+        except TargetError as e:  # a too-long prompt, a request the target refuses
+            err = target_error(e)
+            self._count(err.status, False)
+            return err.response()
         except Exception as e:
             log.error("decoding failed: %s: %s", type(e).__name__, e)
             self._count(500, False)
             return APIError(500, f"internal error while decoding: {type(e).__name__}").response()
-        self._done(t0, first, gen, False)
+        self._done(t0, run.first_at, gen, False)
         timing = {"queue_s": round(run.queued_s, 6), "server_s": round(time.perf_counter() - t0, 6),
-                  "first_token_s": round((first or t0) - t0, 6)}
+                  "first_token_s": round((run.first_at or t0) - t0, 6)}
         return JSONResponse(completion_body(completion_id(), self.model, gen, timing))
 
     # ---------- pieces ----------
@@ -139,8 +144,8 @@ class ChatServer:
             raise APIError(400, f"request body is not valid JSON ({e})", code="invalid_json") from e
 
     async def _start(self, req: ChatRequest) -> tuple[DecodeRun, Any]:
-        """Check the request, decode its media, wait for the decoder, run prefill. Errors up to the first token
-        raise APIError, so they still get a status code (a stream has not started yet)."""
+        """Check the request, decode its media, wait for the decoder and start decoding. A stream also waits for
+        prefill: errors up to the first token raise APIError, so they still get a status code."""
         if req.model != self.model:
             raise APIError(400, f"model {req.model!r} is not served here; this endpoint serves {self.model!r} "
                            "(GET /v1/models)", param="model", code="model_not_found")
@@ -148,7 +153,10 @@ class ChatServer:
         if max_tokens > self.settings.limits.max_tokens:
             raise APIError(400, f"max_tokens {max_tokens} is over this server's limit of "
                            f"{self.settings.limits.max_tokens}", param="max_tokens", code="invalid_value")
-        request = await asyncio.to_thread(to_request, req.messages, self.settings)
+        if remote_media(req.messages):  # s3:// or http(s): I/O off the event loop
+            request = await asyncio.to_thread(to_request, req.messages, self.settings)
+        else:  # data: URLs only: a fraction of a millisecond of decoding, not worth a thread hop
+            request = to_request(req.messages, self.settings)
         request = frames_as_images(request, self.decoder.target.video_as_frames)
         sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, seed=req.seed)
         stop = req.stop_strings()
@@ -165,19 +173,15 @@ class ChatServer:
                         on_step=self._step, every_step=req.stream)
         run.future.add_done_callback(self._release)
         run.queued_s = queued_s
+        if not req.stream:  # errors come out of drain(); nothing has been sent yet either way
+            return run, self.decoder.target.tokenizer
         try:
-            first = await run.peek()  # prefill + first token: a too-long prompt fails here
+            first = await run.peek()  # prefill + first token: a too-long prompt fails here, before the stream
         except asyncio.CancelledError:
             run.cancel()
             raise
         if first.error is not None:
-            if isinstance(first.error, PromptTooLong):
-                raise APIError(400, f"prompt too long: {first.error}", param="messages",
-                               code="context_length_exceeded")
-            if isinstance(first.error, TargetError):
-                raise APIError(400, f"this model cannot take the request: {first.error}", param="messages",
-                               code="unsupported_request")
-            raise first.error
+            raise target_error(first.error) if isinstance(first.error, TargetError) else first.error
         return run, self.decoder.target.tokenizer
 
     def _step(self, tokens: list[int]) -> None:

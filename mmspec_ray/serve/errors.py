@@ -7,6 +7,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from mmspec_ray.batch.rows import RowError
+from mmspec_ray.targets import PromptTooLong, TargetError
 
 # Batch row error kinds (media decoding, validation) -> HTTP status of the online endpoint.
 _KIND_STATUS = {"media.too_large": 413}
@@ -39,3 +40,10 @@ def from_row_error(e: RowError, param_prefix: str = "") -> APIError:
     status = _KIND_STATUS.get(e.kind, 400)
     code = "too_large" if status == 413 else e.kind.replace(".", "_")
     return APIError(status, str(e), param=param_prefix + e.field, code=code)
+
+
+def target_error(e: TargetError) -> APIError:
+    """A request the target refuses (too long for its context, a media kind it does not take), as a 400."""
+    if isinstance(e, PromptTooLong):
+        return APIError(400, f"prompt too long: {e}", param="messages", code="context_length_exceeded")
+    return APIError(400, f"this model cannot take the request: {e}", param="messages", code="unsupported_request")

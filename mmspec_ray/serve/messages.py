@@ -54,6 +54,18 @@ def to_request(messages: list[Any], settings: ServeSettings) -> Request:
         raise err from e
 
 
+def remote_media(messages: list[Any]) -> bool:
+    """True when some media part has a URL other than data: (fetching it is I/O)."""
+    for m in messages:
+        for part in (m.get("content") if isinstance(m, Mapping) else None) or ():
+            if isinstance(part, Mapping) and part.get("type") in MEDIA_PART_TYPES:
+                ref = part.get(part["type"])
+                url = ref.get("url") if isinstance(ref, Mapping) else ref
+                if not (isinstance(url, str) and url.startswith("data:")):
+                    return True
+    return False
+
+
 def _part(part: Any, where: str, settings: ServeSettings, media: dict[str, list[bytes]],
           where_of: dict[str, list[str]]) -> Any:
     """One content part: text passes through (checked by the batch layer), media is fetched, others refused."""

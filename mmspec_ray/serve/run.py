@@ -35,7 +35,8 @@ class DecodeRun:
         self.queue: asyncio.Queue[Step] = asyncio.Queue()
         self._cancel = threading.Event()
         self._on_step = on_step
-        self._every_step = every_step  # False: queue only the first step and the end (no per-step wake-ups)
+        self._every_step = every_step  # False: queue only the end (or an error): no per-step wake-ups
+        self.first_at: float | None = None  # perf_counter of the first committed token (set by the thread)
         self.cancelled = False  # True when the thread stopped early because of cancel()
         self.queued_s = 0.0  # how long the request waited for the decoder (set by the server)
         self._head: Step | None = None  # a step looked at by peek() and not yet consumed
@@ -64,7 +65,6 @@ class DecodeRun:
     def _produce(self, start: Callable[[], Generator[list[int], None, Generation]]) -> None:
         try:
             steps = start()
-            first = True
             while True:
                 if self._cancel.is_set():
                     steps.close()
@@ -75,22 +75,21 @@ class DecodeRun:
                 except StopIteration as done:
                     self._put(Step(generation=done.value, at=time.perf_counter()))
                     return
+                now = time.perf_counter()
+                self.first_at = self.first_at or now
                 if self._on_step is not None:
                     self._on_step(tokens)
-                if self._every_step or first:
-                    self._put(Step(tokens=tokens, at=time.perf_counter()))
-                first = False
+                if self._every_step:
+                    self._put(Step(tokens=tokens, at=now))
         except BaseException as e:  # reported to the request; the replica keeps serving
             self._put(Step(error=e, at=time.perf_counter()))
 
 
-async def drain(run: DecodeRun) -> tuple[Generation, float | None]:
-    """Wait for the whole answer; (Generation, perf_counter of the first step). Raises the thread's exception."""
-    first: float | None = None
+async def drain(run: DecodeRun) -> Generation:
+    """Wait for the whole answer. Raises the thread's exception."""
     while True:
         step = await run.next()
         if step.error is not None:
             raise step.error
         if step.generation is not None:
-            return step.generation, first
-        first = first or step.at
+            return step.generation
