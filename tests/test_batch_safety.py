@@ -194,15 +194,32 @@ def test_bad_messages_are_invalid_naming_the_field(messages, field):
 # ---------------- S3 outages: transient errors retried with backoff ----------------
 
 class FlakyProxy:
-    """A TCP forwarder on loopback in front of the moto server; while `down`, it drops every connection."""
+    """A TCP forwarder on loopback in front of the moto server. `cut()` starts an outage: open connections are
+    broken and new ones dropped until `restore()` (or `down = False`)."""
 
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
         self.down = False
+        self.dropped = 0  # connections refused while down
+        self.first_use: float | None = None  # monotonic time of the first connection forwarded
+        self._open: set[socket.socket] = set()
+        self._lock = threading.Lock()
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self._stop = False
         threading.Thread(target=self._serve, daemon=True).start()
+
+    def cut(self) -> None:
+        self.down = True
+        with self._lock:
+            for s in list(self._open):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def restore(self) -> None:
+        self.down = False
 
     def _serve(self) -> None:
         self.sock.settimeout(0.2)
@@ -212,14 +229,18 @@ class FlakyProxy:
             except OSError:
                 continue
             if self.down:
+                self.dropped += 1
                 conn.close()
                 continue
+            if self.first_use is None:
+                self.first_use = time.monotonic()
             up = socket.create_connection(("127.0.0.1", self.target_port))
+            with self._lock:
+                self._open |= {conn, up}
             for a, b in ((conn, up), (up, conn)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
-    @staticmethod
-    def _pipe(a: socket.socket, b: socket.socket) -> None:
+    def _pipe(self, a: socket.socket, b: socket.socket) -> None:
         try:
             while data := a.recv(65536):
                 b.sendall(data)
@@ -231,6 +252,8 @@ class FlakyProxy:
                     s.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+            with self._lock:
+                self._open -= {a, b}
 
     def close(self) -> None:
         self._stop = True
@@ -253,8 +276,8 @@ def test_s3_read_survives_a_short_outage_and_marks_a_long_one_retryable(s3_serve
     uri = s3_server.put(b, "x.bin", b"payload")
     cfg = proxied(flaky, retries=4, retry_base_s=0.3, retry_max_s=1.0)  # waits 0.3 + 0.6 + 1 + 1 s
     assert read_bytes(uri, s3=cfg) == b"payload"
-    flaky.down = True
-    threading.Timer(1.0, lambda: setattr(flaky, "down", False)).start()
+    flaky.cut()  # the connection the first read left open breaks too
+    threading.Timer(1.0, flaky.restore).start()
     t0 = time.monotonic()
     assert read_bytes(uri, s3=cfg) == b"payload", "a 1 s outage is bridged by the retries"
     assert time.monotonic() - t0 >= 0.9
