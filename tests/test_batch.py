@@ -20,6 +20,7 @@ ray = pytest.importorskip("ray")
 
 from mmspec_ray.batch import JobSpec, SpecDecoder, run_job  # noqa: E402
 from mmspec_ray.batch.cli import main as job_main  # noqa: E402
+from mmspec_ray.batch.rows import prepare_row  # noqa: E402
 from mmspec_ray.batch.storage import JobInputError, locate, parquet_files, read_json  # noqa: E402
 from mmspec_ray.config import SamplingParams  # noqa: E402
 from mmspec_ray.drafters.base import load_drafter  # noqa: E402
@@ -369,3 +370,27 @@ def test_row_that_always_kills_its_decoder_is_filed_as_an_error(s3_server, ray_c
     del requests["img-9-2"]
     assert_matches_reference(out, requests, reference)
     assert summary["complete"] and summary["all_rows"]["errors_by_kind"] == {"crash": 1}
+
+
+def crash_on_media(row, cfg):
+    """The media stage's row function, killing its process (like a decoder segfault) on one row, every time."""
+    if row["id"] == "img-10-1":
+        os._exit(1)
+    return prepare_row(row, cfg)
+
+
+def test_row_that_kills_the_media_stage_is_filed_as_crash_then_retried_on_request(s3_server, ray_cluster, ckpt,
+                                                                                 reference):
+    b = s3_server.new_bucket("mediacrash")
+    rows, requests = image_rows(s3_server, b, 3, seed=10)
+    src = put_parquet(s3_server, b, "in/part-0.parquet", rows, ROW_SCHEMA)
+    spec = spec_for(s3_server, ckpt, src, f"s3://{b}/out/")
+    first = run_job(spec, row_fn=crash_on_media)
+    by_id = {r["id"]: r for r in read_output(s3_server, f"s3://{b}/out/").to_pylist()}
+    assert by_id["img-10-1"]["error_kind"] == "crash" and "media decoding process died 2" in by_id["img-10-1"]["error"]
+    assert first["complete"] and first["all_rows"]["errors_by_kind"] == {"crash": 1}
+    second = run_job(spec.model_copy(update={"retry_errors": ("crash",)}))  # --retry-errors crash
+    assert second["retried_rows"] == 1 and second["run"]["rows"] == 1 and second["all_rows"]["errors"] == 0
+    out = read_output(s3_server, f"s3://{b}/out/")
+    assert_exactly_once(out, [r["id"] for r in rows])
+    assert_matches_reference(out, requests, reference)

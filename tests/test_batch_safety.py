@@ -49,19 +49,19 @@ def test_output_with_foreign_files_and_no_marker_is_refused_untouched(tmp_path):
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     for overwrite in (False, True):
         with pytest.raises(JobInputError, match="did not write .*marker"):
-            claim(loc(out), GREEDY, overwrite=overwrite)
+            claim(loc(out), GREEDY, "in", overwrite=overwrite)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 def test_overwrite_deletes_only_the_jobs_own_files(tmp_path):
     out = tmp_path / "out"
-    claim(loc(out), GREEDY)
+    claim(loc(out), GREEDY, "in")
     part(out / "mmspec-part-x_000000.parquet", ["a"])
     (out / "_summary.json").write_text("{}")
     part(out / "users-data.parquet", ["z"])  # dropped in later by someone: never ours to delete
     (out / "sub").mkdir()
     part(out / "sub" / "mmspec-part-y_000000.parquet", ["q"])  # not top level: not the job's naming
-    claim(loc(out), GREEDY, overwrite=True)
+    claim(loc(out), GREEDY, "in", overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == sorted([MARKER_NAME, "users-data.parquet", "sub"])
     state, _ = scan(loc(out))
     assert state.ids.to_pylist() == [] and [f.rsplit("/", 1)[-1] for f in sorted(state.foreign)] == [
@@ -70,16 +70,19 @@ def test_overwrite_deletes_only_the_jobs_own_files(tmp_path):
 
 def test_resume_with_other_settings_is_refused_naming_the_difference(tmp_path):
     out = loc(tmp_path / "out")
-    claim(out, GREEDY)
-    claim(out, GREEDY | {"drafter": "eagle2", "seed": 5})  # greedy: a drafter cannot change the text
+    claim(out, GREEDY, "in")
+    claim(out, GREEDY | {"drafter": "eagle2", "seed": 5}, "in")  # greedy: a drafter cannot change the text
     with pytest.raises(JobInputError, match=r"max_new_tokens: 8 -> 16"):
-        claim(out, GREEDY | {"max_new_tokens": 16})
+        claim(out, GREEDY | {"max_new_tokens": 16}, "in")
     with pytest.raises(JobInputError, match=r"temperature: 0.0 -> 0.7"):
-        claim(out, GREEDY | {"temperature": 0.7})
+        claim(out, GREEDY | {"temperature": 0.7}, "in")
+    for overwrite in (False, True):  # another dataset's ids would pass as done; its answers are not ours to delete
+        with pytest.raises(JobInputError, match=r"another job \(input 'in'\)"):
+            claim(out, GREEDY, "other", overwrite=overwrite)
     sampled = tmp_path / "sampled"
-    claim(loc(sampled), GREEDY | {"temperature": 0.7})
+    claim(loc(sampled), GREEDY | {"temperature": 0.7}, "in")
     with pytest.raises(JobInputError, match=r"drafter: 'ngram' -> 'eagle2'"):  # sampling: the drafter shows
-        claim(loc(sampled), GREEDY | {"temperature": 0.7, "drafter": "eagle2"})
+        claim(loc(sampled), GREEDY | {"temperature": 0.7, "drafter": "eagle2"}, "in")
 
 
 def test_decode_config_records_every_text_setting():
@@ -92,7 +95,7 @@ def test_decode_config_records_every_text_setting():
 
 def test_drop_rows_rewrites_parts_and_a_crash_between_leaves_the_newer(tmp_path):
     out = tmp_path / "out"
-    claim(loc(out), GREEDY)
+    claim(loc(out), GREEDY, "in")
     part(out / "mmspec-part-a_000000.parquet", ["r1", "r2", "r3"], [None, "media.unavailable", None])
     part(out / "mmspec-part-b_000000.parquet", ["r4"], ["media.unavailable"])
     part(out / "mmspec-part-c_000000.parquet", ["r5"])
@@ -123,6 +126,48 @@ def test_overlapping_input_and_output_are_refused(a, b, overlap):
             check_disjoint(loc(b), loc(a))
     else:
         check_disjoint(loc(a), loc(b))
+
+
+def test_a_failing_read_never_deletes_a_part_and_old_parts_lack_columns_harmlessly(tmp_path, monkeypatch):
+    import mmspec_ray.batch.output as output
+
+    out = tmp_path / "out"
+    claim(loc(out), GREEDY, "in")
+    pq.write_table(pa.table({"id": ["a"]}), out / "mmspec-part-old_000000.parquet")  # written before error_kind
+    state, table = scan(loc(out), ["error_kind"])
+    assert table.column("error_kind").to_pylist() == [None] and not state.removed
+
+    def throttled(*a, **k):
+        raise OSError("AWS Error SLOW_DOWN during GetObject operation: Please reduce your request rate.")
+
+    monkeypatch.setattr(output.pq, "ParquetFile", throttled)
+    monkeypatch.setattr(output.time, "sleep", lambda s: None)
+    with pytest.raises(JobInputError, match="nothing was deleted"):
+        scan(loc(out), ["error_kind"])
+    assert (out / "mmspec-part-old_000000.parquet").exists()
+
+
+def test_transient_s3_errors_are_told_from_final_ones():
+    from mmspec_ray.media.io import is_transient
+
+    for text in ("AWS Error NETWORK_CONNECTION during HeadObject operation: curlCode: 7, Couldn't connect to server",
+                 "AWS Error SLOW_DOWN during GetObject", "AWS Error UNKNOWN (HTTP status 503) during GetObject",
+                 "AWS Error UNKNOWN (HTTP status 429) during GetObject", "AWS Error INTERNAL_FAILURE"):
+        assert is_transient(OSError(text)), text
+    for text in ("AWS Error ACCESS_DENIED during GetObject operation: Access Denied (HTTP status 403)",
+                 "AWS Error NO_SUCH_KEY", "AWS Error UNKNOWN (HTTP status 400) during GetObject"):
+        assert not is_transient(OSError(text)), text
+
+
+def test_retry_errors_takes_known_kinds_only():
+    from pydantic import ValidationError
+
+    from mmspec_ray.batch.spec import JobSpec
+
+    spec = JobSpec(input="i", output="o", decode={"target": "/m"}, retry_errors=("crash", "media.not_found"))
+    assert spec.retry_errors == ("crash", "media.not_found")
+    with pytest.raises(ValidationError, match="unknown error kind"):
+        JobSpec(input="i", output="o", decode={"target": "/m"}, retry_errors=("media.notfound",))
 
 
 # ---------------- malformed inputs: one line naming the file and the column ----------------
@@ -294,11 +339,45 @@ def test_s3_read_survives_a_short_outage_and_marks_a_long_one_retryable(s3_serve
 # ---------------- memory: huge images and frame-count-less clips ----------------
 
 def test_prescale_keeps_what_the_processor_needs():
-    assert prescale_size(7990, 7990, 336) == (672, 672)
-    assert prescale_size(4000, 3000, 336) == (672, 504)
-    assert prescale_size(640, 480, 336) is None  # small enough: untouched
-    assert prescale_size(336, 40000, 336) is None  # the short edge is already what the processor needs
+    assert prescale_size(7990, 7990, 336) == (336, 336)
+    assert prescale_size(4000, 3000, 336) == (448, 336)
+    assert prescale_size(7990, 7990, 3584) == (3584, 3584)  # Qwen2.5-VL: max 12.8 M pixels = 3,584 px a side
+    assert prescale_size(640, 480, 336) == (448, 336)
+    assert prescale_size(300, 480, 336) is None  # the short edge is not above what the processor uses: untouched
+    assert prescale_size(336, 40000, 336) is None
     assert prescale_size(7990, 7990, None) is None
+
+
+def test_processor_side_from_saved_configs(tmp_path):
+    from mmspec_ray.batch.rows import resolve_image_side
+    from mmspec_ray.targets.media_size import max_side_of
+
+    clip = {"size": {"shortest_edge": 336}, "crop_size": {"height": 336, "width": 336}}
+    qwen = {"size": {"shortest_edge": 3136, "longest_edge": 12845056}, "patch_size": 14}  # min / max pixels
+    anyres = {"size": {"shortest_edge": 384}, "image_grid_pinpoints": [[384, 768], [768, 384], [2304, 2304]]}
+    idefics = {"size": {"longest_edge": 1456}, "max_image_size": {"longest_edge": 364}}
+    assert [max_side_of([c]) for c in (clip, qwen, anyres, idefics)] == [336, 3584, 2304, 1456]
+    assert max_side_of([{"image_processor": clip}]) == 336 and max_side_of([{"foo": 1}]) is None
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(clip))
+    cfg = resolve_image_side(DecodeConfig(target=str(tmp_path)))
+    assert cfg.media.image_side == 336
+    assert resolve_image_side(DecodeConfig(target=str(tmp_path), media={"image_side": None})).media.image_side is None
+    (tmp_path / "processor_config.json").mkdir()  # unreadable: an error, never scaling silently turned off
+    with pytest.raises(JobInputError, match="processor_config.json"):
+        resolve_image_side(DecodeConfig(target=str(tmp_path)))
+
+
+def test_huge_video_frames_are_refused_before_decoding():
+    from mmspec_ray.config import MediaLimits
+    from mmspec_ray.media import load_video
+    from mmspec_ray.toy.clips import encode_mp4
+    from tiny import random_images
+
+    clip = encode_mp4(random_images(4, seed=5), fps=4)
+    w, h = load_video(clip, num_frames=1).frames[0].size
+    with pytest.raises(MediaError, match=f"{w}x{h} frames > limit") as e:
+        load_video(clip, num_frames=2, limits=MediaLimits(max_image_pixels=w * h - 1))
+    assert e.value.kind == "too_large"
 
 
 PROBE = r"""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -25,6 +26,7 @@ from pyarrow import fs as pafs
 from ray.data.datasource import FilenameProvider
 
 from mmspec_ray.batch.storage import SUMMARY_NAME, JobInputError, Location, exists, read_json, write_json
+from mmspec_ray.media.io import is_transient
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,7 @@ PART_PREFIX = "mmspec-part-"
 # rewrote it without the rows being redone. Of one base only the highest generation is live.
 _PART = re.compile(r"^mmspec-part-(?P<base>[A-Za-z0-9_\-]+?)(?:\.fix(?P<gen>\d+))?\.parquet$")
 MARKER_FORMAT = 1
+_READ_TRIES = 4  # a transiently failing part read: 4 tries over ~7 s, then the job stops (deleting nothing)
 # Settings that may differ on a resume when decoding is greedy: they change speed (or unused sampling knobs),
 # never the text.
 GREEDY_FREE = ("drafter", "tree", "top_p", "top_k", "seed")
@@ -74,11 +77,13 @@ def _is_top(loc: Location, path: str) -> bool:
     return "/" not in path[len(loc.path):].strip("/")
 
 
-def claim(loc: Location, settings: dict[str, Any], overwrite: bool = False) -> dict[str, Any]:
-    """Claim `loc` for a job with `settings` (writing the marker), or check that a resume matches it.
+def claim(loc: Location, settings: dict[str, Any], input_uri: str, overwrite: bool = False) -> dict[str, Any]:
+    """Claim `loc` for a job reading `input_uri` with `settings` (writing the marker), or check that a resume is the
+    same job: same input (ids of another dataset would pass as done), same text-deciding settings.
 
-    Refuses (JobInputError) a directory holding files but no marker, and a resume whose settings differ in a way
-    that changes the text. With `overwrite`, the job's own files are deleted first (foreign ones never)."""
+    Refuses (JobInputError) a directory holding files but no marker, a resume of another input, and one whose
+    settings differ in a way that changes the text. With `overwrite`, the job's own files are deleted first
+    (foreign ones never), but only for the same input: another job's answers are not this job's to delete."""
     marker = loc.child(MARKER_NAME)
     files = _listing(loc)
     has_marker = any(i.path.rstrip("/") == marker.path for i in files)
@@ -86,6 +91,10 @@ def claim(loc: Location, settings: dict[str, Any], overwrite: bool = False) -> d
         sample = ", ".join(i.path.rsplit("/", 1)[-1] for i in files[:3])
         raise JobInputError(f"output {loc.uri} already holds {len(files)} file(s) (e.g. {sample}) that this job did "
                             "not write (no _mmspec_job.json marker); choose a new or empty output directory")
+    record = _read_json(marker) if has_marker else {}
+    if has_marker and record.get("input") != input_uri:
+        raise JobInputError(f"output {loc.uri} holds the answers of another job (input {record.get('input')!r}); "
+                            f"this job reads {input_uri!r}. Use a new --output for it")
     if has_marker and overwrite:
         own = [i.path for i in files if _is_top(loc, i.path) and (_parse(i.path) or i.path.endswith(SUMMARY_NAME))]
         for p in own:
@@ -94,7 +103,6 @@ def claim(loc: Location, settings: dict[str, Any], overwrite: bool = False) -> d
         log.info("--overwrite: deleted %d files this job wrote in %s", len(own), loc.uri)
         has_marker = False
     if has_marker:
-        record = _read_json(marker)
         diff = settings_diff(record.get("settings", {}), settings)
         if diff:
             raise JobInputError(f"output {loc.uri} was made with other decoding settings ({'; '.join(diff)}); a "
@@ -102,7 +110,7 @@ def claim(loc: Location, settings: dict[str, Any], overwrite: bool = False) -> d
                                 "--overwrite to start over")
         return record
     record = {"format": MARKER_FORMAT, "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "settings": settings}
+              "input": input_uri, "settings": settings}
     write_json(marker, record)
     return record
 
@@ -121,9 +129,10 @@ def settings_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 def scan(loc: Location, columns: list[str] | None = None) -> tuple[OutputState, pa.Table | None]:
-    """Read the ids (and `columns`) of the job's live parts. The job's own unreadable parts (a local write cut off
-    by a crash; S3 never shows a partial object) and superseded generations are deleted, so their rows are simply
-    done again; every other file is left alone."""
+    """Read the ids (and `columns`) of the job's live parts. The job's own torn parts (a local write cut off by a
+    crash: bad parquet magic or footer) and superseded generations are deleted, so their rows are simply done again.
+    A read error is retried when transient and otherwise stops the job; it never deletes anything. Every other
+    file is left alone."""
     infos = _listing(loc)
     mine: dict[str, list[tuple[int, str]]] = {}
     foreign = []
@@ -146,14 +155,28 @@ def scan(loc: Location, columns: list[str] | None = None) -> tuple[OutputState, 
     cols = ["id"] + [c for c in (columns or []) if c != "id"]
 
     def read(path: str) -> pa.Table | None:
-        try:
-            return pq.read_table(path, columns=cols, filesystem=loc.fs)
-        except (pa.ArrowInvalid, OSError) as e:
-            if loc.fs.get_file_info(path).type == pafs.FileType.NotFound:
-                raise
-            log.warning("output part %s is unreadable (%s): deleting it; its rows will be decoded again", path, e)
-            loc.fs.delete_file(path)
-            return None
+        for attempt in range(_READ_TRIES):
+            try:
+                part = pq.ParquetFile(path, filesystem=loc.fs)
+                have = part.schema_arrow.names
+                t = part.read(columns=[c for c in cols if c in have])
+                for c in cols:  # a part written before a column existed: nulls, never a reason to delete it
+                    if c not in have:
+                        t = t.append_column(c, pa.nulls(t.num_rows))
+                return t
+            except pa.ArrowInvalid as e:  # bad magic / footer: the file itself is damaged
+                if loc.is_s3:  # S3 never shows a partial object: not a torn write, so not ours to delete
+                    raise JobInputError(f"output part s3://{path} is not valid parquet ({e}); inspect it, and "
+                                        "delete it by hand to have its rows decoded again") from e
+                log.warning("output part %s is torn (%s): deleting it; its rows will be decoded again", path, e)
+                loc.fs.delete_file(path)
+                return None
+            except OSError as e:
+                if not is_transient(e) or attempt == _READ_TRIES - 1:
+                    raise JobInputError(f"cannot read output part {path} ({e}); nothing was deleted: re-run when "
+                                        "the store is reachable") from e
+                time.sleep(2.0 ** attempt)
+        return None
 
     live.sort()
     with ThreadPoolExecutor(max_workers=8) as pool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from mmspec_ray.batch.output import OutputState, PartNames, claim, drop_rows
 from mmspec_ray.batch.output import scan as scan_output
 from mmspec_ray.batch.progress import ProgressPrinter, ProgressTracker
 from mmspec_ray.batch.rows import (IMAGE_FIELDS, INTERNAL_COLUMNS, OUTPUT_COLUMNS, RETRYABLE_KINDS, VIDEO_FIELDS,
-                                   resolve_image_side)
+                                   prepare_row, resolve_image_side)
 from mmspec_ray.batch.spec import DecodeConfig, JobSpec
 from mmspec_ray.batch.stages import keep_ids, prepare_block
 from mmspec_ray.batch.storage import (SUMMARY_NAME, JobInputError, Location, check_disjoint, check_ids, locate,
@@ -37,14 +38,15 @@ from mmspec_ray.batch.summary import SUMMARY_COLUMNS, format_summary, summarize
 log = logging.getLogger(__name__)
 
 
-def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = SpecDecoder) -> dict[str, Any]:
+def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = SpecDecoder,
+            row_fn: Callable[..., Any] = prepare_row) -> dict[str, Any]:
     """Run (or resume) a batch job and return its summary (also written to `<output>/_summary.json`).
 
     `table`: in-memory input rows (e.g. built from a Kinetics CSV) instead of reading `spec.input`.
-    `decoder_cls`: the actor class (a SpecDecoder subclass in tests).
+    `decoder_cls`: the actor class (a SpecDecoder subclass in tests); `row_fn`: the media stage's per-row function.
     Job-level mistakes raise `JobInputError` before anything is written."""
     t_start = time.time()
-    cfg = spec.decode
+    cfg = job_config(spec)
     out = locate(spec.output, cfg.s3)
     source = None if table is not None else locate(spec.input, cfg.s3)
     if source is not None:
@@ -56,7 +58,7 @@ def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = Sp
     n_input = len(ids)
     if spec.limit is not None:
         ids = ids.slice(0, spec.limit)
-    claim(out, cfg.text_settings(), overwrite=spec.overwrite)
+    claim(out, cfg.text_settings(), spec.input, overwrite=spec.overwrite)
     state, done = scan_output(out, ["error_kind"])
     retried = _drop_retries(out, state, done, ids, spec)
     if retried:
@@ -69,7 +71,8 @@ def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = Sp
     if len(todo):
         connect_ray()
         tracker = ProgressTracker.remote(len(todo))
-        ds = _build(spec, table, source, todo, full=len(todo) == n_input, decoder_cls=decoder_cls, tracker=tracker)
+        ds = _build(spec, cfg, table, source, todo, full=len(todo) == n_input, decoder_cls=decoder_cls,
+                    tracker=tracker, row_fn=row_fn)
         try:
             with ProgressPrinter(tracker, spec.progress_interval_s):
                 ds.write_parquet(out.ray_path, filesystem=out.fs, min_rows_per_file=spec.rows_per_file,
@@ -122,25 +125,33 @@ def check_columns(schema: pa.Schema, cfg: DecodeConfig, where: str) -> None:
                             f"{'an' if need == 'image' else 'a'} {need} per row")
 
 
-def _decode_config(spec: JobSpec, actor_cpus: float) -> DecodeConfig:
-    """The actors' config: device resolved from the pool's GPUs, torch threads matched to the actor's CPUs."""
+def job_config(spec: JobSpec) -> DecodeConfig:
+    """The decode config the job records in its output and gives its actors, with nothing left to chance: media
+    image side read from the checkpoint, device from the pool's GPUs, dtype from the device (auto: bf16 on cuda,
+    float32 on cpu; precision can change the text, so a resume must not change it silently)."""
     cfg = resolve_image_side(spec.decode)
+    device = cfg.device if cfg.device != "auto" else ("cuda" if spec.gpus_per_actor > 0 else "cpu")
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    log.info("decoding on %s in %s; media scaled to a %s px processor side", device, dtype, cfg.media.image_side)
+    return cfg.model_copy(update={"device": device, "dtype": dtype})
+
+
+def _actor_config(cfg: DecodeConfig, actor_cpus: float) -> DecodeConfig:
+    """torch threads matched to the actor's CPUs."""
     update: dict[str, Any] = {}
-    if cfg.device == "auto":
-        update["device"] = "cuda" if spec.gpus_per_actor > 0 else "cpu"
     if cfg.torch_threads is None:
         update["torch_threads"] = max(1, int(actor_cpus))
     return cfg.model_copy(update=update)
 
 
-def _build(spec: JobSpec, table: pa.Table | None, source: Location | None, todo: pa.Array, full: bool,
-           decoder_cls: type, tracker: Any = None) -> ray.data.Dataset:
+def _build(spec: JobSpec, cfg: DecodeConfig, table: pa.Table | None, source: Location | None, todo: pa.Array,
+           full: bool, decoder_cls: type, tracker: Any, row_fn: Callable[..., Any]) -> ray.data.Dataset:
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = spec.progress_bars
     ctx.max_errored_blocks = 0  # rows never raise; a raising block is a real failure, never a silent drop
     check_gpus(spec)
     actor_cpus = plan_actor_cpus(spec)
-    cfg = _decode_config(spec, actor_cpus)
+    cfg = _actor_config(cfg, actor_cpus)
     task = {"num_cpus": spec.cpus_per_task}
     if table is not None:
         ds = ray.data.from_arrow(table if full else keep_ids(table, todo))
@@ -151,7 +162,9 @@ def _build(spec: JobSpec, table: pa.Table | None, source: Location | None, todo:
         if not full:
             ds = ds.map_batches(keep_ids, fn_kwargs={"ids": todo}, batch_format="pyarrow", batch_size=None, **task)
     ds = ds.repartition(target_num_rows_per_block=spec.rows_per_block)
-    ds = ds.map_batches(prepare_block, fn_kwargs={"cfg": cfg}, batch_format="pyarrow", batch_size=None, **task)
+    ds = ds.map_batches(prepare_block, fn_kwargs={"cfg": cfg, "tracker": tracker, "row_fn": row_fn,
+                                                  "max_row_crashes": spec.max_row_crashes},
+                        batch_format="pyarrow", batch_size=None, **task)
     return ds.map_batches(
         decoder_cls,
         fn_constructor_kwargs={"config": cfg, "progress": tracker, "max_row_crashes": spec.max_row_crashes},

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, get_args
 
 import pyarrow as pa
 
 from mmspec_ray.batch.spec import DecodeConfig
 from mmspec_ray.media import MediaError, load_image, load_video
-from mmspec_ray.media.errors import TRANSIENT_KINDS
+from mmspec_ray.media.errors import TRANSIENT_KINDS, MediaErrorKind
 from mmspec_ray.targets.base import Request
 
 IMAGE_FIELDS = ("image", "image_uri")
@@ -43,6 +43,9 @@ INTERNAL_COLUMNS = (REQUEST_COL, ERROR_COL, ERROR_KIND_COL)
 
 # Error kinds a re-run of the job decodes again by itself (the media store was unreachable, not the row wrong).
 RETRYABLE_KINDS = tuple(f"media.{k}" for k in TRANSIENT_KINDS)
+# Every `error_kind` a row can get (what --retry-errors accepts).
+ERROR_KINDS = frozenset({"null_field", "missing_field", "invalid", "too_long", "target", "internal", "crash"} |
+                        {f"media.{k}" for k in get_args(MediaErrorKind)})
 MESSAGE_ROLES = ("system", "user", "assistant")
 MEDIA_PARTS = {"image": "image", "video": "video"}
 
@@ -211,15 +214,21 @@ def resolve_image_side(cfg: DecodeConfig) -> DecodeConfig:
     processor configs (local or s3://, a few small JSON files; never the weights); None when they say nothing."""
     if cfg.media.image_side != "auto":
         return cfg
-    from mmspec_ray.batch.storage import locate, read_json
+    from mmspec_ray.batch.storage import exists, locate, read_json
     from mmspec_ray.targets.media_size import PROCESSOR_FILES, max_side_of
+
+    from mmspec_ray.batch.storage import JobInputError
 
     root = locate(cfg.target, cfg.s3)
     configs = []
     for name in PROCESSOR_FILES:
+        f = root.child(name)
         try:
-            configs.append(read_json(root.child(name)))
-        except (OSError, ValueError):
-            continue
+            if not exists(f):
+                continue
+            configs.append(read_json(f))
+        except (OSError, ValueError) as e:  # never turn scaling off silently because a read failed
+            raise JobInputError(f"cannot read {root.child(name).uri} to size media for the target ({e}); set "
+                                "media.image_side explicitly, or re-run when it is readable") from e
     media = cfg.media.model_copy(update={"image_side": max_side_of(configs)})
     return cfg.model_copy(update={"media": media})

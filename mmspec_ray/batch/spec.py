@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mmspec_ray.config import MediaLimits, S3Config, SamplingParams
 from mmspec_ray.spec.tree import TreeConfig
@@ -111,6 +111,16 @@ class JobSpec(BaseModel):
                                  "as error kind `crash` instead of being retried forever")
     progress_interval_s: float = Field(10.0, gt=0.0)
     progress_bars: bool = True
+
+    @field_validator("retry_errors")
+    @classmethod
+    def _known_kinds(cls, kinds: tuple[str, ...]) -> tuple[str, ...]:
+        from mmspec_ray.batch.rows import ERROR_KINDS
+
+        unknown = [k for k in kinds if k not in ERROR_KINDS]
+        if unknown:
+            raise ValueError(f"unknown error kind(s) {unknown}; known: {sorted(ERROR_KINDS)}")
+        return kinds
 
     @property
     def pool_min(self) -> int:

@@ -6,9 +6,12 @@ Both are plain functions on pyarrow tables, run by Ray Data as stateless tasks.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import ray
 
 from mmspec_ray.batch.rows import ERROR_COL, ERROR_KIND_COL, REQUEST_COL, RowError, prepare_row
 from mmspec_ray.batch.spec import DecodeConfig
@@ -19,15 +22,25 @@ def keep_ids(batch: pa.Table, ids: pa.Array) -> pa.Table:
     return batch.filter(pc.is_in(batch.column("id"), value_set=ids))
 
 
-def prepare_block(batch: pa.Table, cfg: DecodeConfig) -> pa.Table:
+def prepare_block(batch: pa.Table, cfg: DecodeConfig, tracker: Any = None, max_row_crashes: int | None = None,
+                  row_fn: Callable[..., Any] = prepare_row) -> pa.Table:
     """Decode each row's media into a pickled `Request` (or record the row's error) so that decoder actors spend
-    their time on the model, not on fetching and decoding media."""
+    their time on the model, not on fetching and decoding media. With `tracker`, a row whose media killed this task's
+    process `max_row_crashes` times (Ray retries the task) is filed as error kind `crash` instead."""
     blobs: list[bytes | None] = []
     errors: list[str | None] = []
     kinds: list[str | None] = []
     for row in batch.to_pylist():
+        key = f"media:{row.get('id')}"
+        died = ray.get(tracker.start_row.remote(key)) if tracker is not None and max_row_crashes else 0
+        if died and died >= max_row_crashes:
+            blobs.append(None)
+            errors.append(f"media: the media decoding process died {died} times on this row (out of memory or a "
+                          "crash in an image / video decoder); filed as an error. Retry with --retry-errors crash")
+            kinds.append("crash")
+            continue
         try:
-            request = prepare_row(row, cfg)
+            request = row_fn(row, cfg)
         except RowError as e:
             blobs.append(None)
             errors.append(str(e))
@@ -38,6 +51,9 @@ def prepare_block(batch: pa.Table, cfg: DecodeConfig) -> pa.Table:
             errors.append(f"media: {type(e).__name__}: {e}")
             kinds.append("internal")
             continue
+        finally:
+            if tracker is not None and max_row_crashes:
+                tracker.finish_row.remote(key)
         blobs.append(pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL))
         errors.append(None)
         kinds.append(None)

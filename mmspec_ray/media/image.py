@@ -31,21 +31,21 @@ def load_image(source: bytes | str | os.PathLike, limits: MediaLimits | None = N
 
 
 def prescale_size(w: int, h: int, side: int | None) -> tuple[int, int] | None:
-    """The smaller size to give a processor that works at `side` pixels, or None to keep (w, h): the short edge stays
-    >= side and the long edge >= 2 x side, so the processor still scales down itself; only images far larger than
-    it will ever use shrink (an 8k photo for a 336 px processor becomes 672 px)."""
-    if not side:
+    """The smaller size to give a processor whose largest working side is `side` (a crop / shortest edge, the
+    largest anyres pinpoint, or sqrt of a max pixel count), or None to keep (w, h): only an image whose short edge
+    exceeds `side` shrinks, to a short edge of `side` (aspect kept). The processor never needs more: a 336 px CLIP
+    processor resizes the short edge to 336 itself; an 8k photo for Qwen2.5-VL (max 12.8 M pixels) becomes 3,584 px
+    a side, what its own resize would keep."""
+    if not side or min(w, h) <= side:
         return None
-    s = max(side / min(w, h), 2 * side / max(w, h))
-    if s >= 1.0:
-        return None
-    return max(1, round(w * s)), max(1, round(h * s))
+    s = side / min(w, h)
+    return max(side, round(w * s)), max(side, round(h * s))
 
 
 def shrink(img: Image.Image, side: int | None) -> Image.Image:
     """`img` resized to `prescale_size` (bicubic, as CLIP-style processors resize), or `img` itself."""
     size = prescale_size(img.width, img.height, side)
-    return img.resize(size, Image.Resampling.BICUBIC, reducing_gap=3.0) if size else img
+    return img.resize(size, Image.Resampling.BICUBIC) if size else img
 
 
 def decode_image_bytes(data: bytes, limits: MediaLimits | None = None, label: str | None = None,

@@ -47,6 +47,7 @@ def read_bytes(source: str, limits: MediaLimits | None = None, s3: S3Config | No
 # pyarrow / AWS SDK error texts of failures that say nothing about the object: the store was unreachable, slow or
 # briefly failing. Anything else (access denied, no such key, bad request) is final.
 _TRANSIENT = re.compile(r"NETWORK_CONNECTION|SLOW_DOWN|SERVICE_UNAVAILABLE|INTERNAL_FAILURE|THROTTL|REQUEST_TIMEOUT|"
+                        r"TOO_MANY_REQUESTS|REQUEST_LIMIT_EXCEEDED|HTTP status 429|"
                         r"curlCode|HTTP status 5\d\d|Connection (?:refused|reset)|timed out|Broken pipe|"
                         r"Couldn't connect", re.IGNORECASE)
 

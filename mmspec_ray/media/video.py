@@ -93,6 +93,10 @@ def decode_video_bytes(
         duration = _duration(container, stream)
         if duration > limits.max_video_seconds:
             raise MediaError("too_large", f"{duration:.1f} s > limit {limits.max_video_seconds:.0f} s", label)
+        cc = stream.codec_context  # None when the stream table is damaged: then decoding reports it
+        w, h = (cc.width or 0, cc.height or 0) if cc is not None else (0, 0)
+        if w * h > limits.max_image_pixels:  # checked before any frame is decoded at full size
+            raise MediaError("too_large", f"{w}x{h} frames > limit {limits.max_image_pixels} pixels", label)
         declared = int(stream.frames or 0)
         if declared > limits.max_video_frames:
             raise MediaError("too_large", f"{declared} frames > limit {limits.max_video_frames}", label)

@@ -6,7 +6,6 @@ Read from the saved processor configs (no model load), so the driver can resolve
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 _SIDE_KEYS = ("shortest_edge", "longest_edge", "height", "width")
@@ -14,12 +13,6 @@ _PIXELS = 65_536  # a "side" above this is a pixel count (Qwen2-VL keeps min/max
 
 
 PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
-
-
-def processor_max_side(path: str | Path) -> int | None:
-    """`max_side_of` the processor configs saved in a local checkpoint directory."""
-    files = [Path(path) / n for n in PROCESSOR_FILES]
-    return max_side_of([json.loads(f.read_text()) for f in files if f.is_file()])
 
 
 def max_side_of(configs: list[dict[str, Any]]) -> int | None:
