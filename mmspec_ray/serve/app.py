@@ -85,9 +85,12 @@ class ChatServer:
         stream = False
         try:
             self._auth(request)
-            req = parse_request(await self._json(request))
+            body = await self._json(request)
+            read_s = time.perf_counter() - t0  # Serve's replica fetches the body from its proxy
+            req = parse_request(body)
             stream = req.stream
             run, tokenizer = await self._start(req)
+            run.read_s = read_s
         except APIError as e:
             self._count(e.status, stream)
             return e.response()
@@ -112,7 +115,8 @@ class ChatServer:
             self._count(500, False)
             return APIError(500, f"internal error while decoding: {type(e).__name__}").response()
         self._done(t0, run.first_at, gen, False)
-        timing = {"queue_s": round(run.queued_s, 6), "server_s": round(time.perf_counter() - t0, 6),
+        timing = {"read_s": round(run.read_s, 6), "queue_s": round(run.queued_s, 6),
+                  "server_s": round(time.perf_counter() - t0, 6),
                   "first_token_s": round((run.first_at or t0) - t0, 6)}
         return JSONResponse(completion_body(completion_id(), self.model, gen, timing))
 
@@ -220,7 +224,7 @@ class ChatServer:
             if rest:
                 yield sse_event(chunk_body(cid, self.model, created, {"content": rest}))
             yield sse_event(chunk_body(cid, self.model, created, {}, gen.finish_reason, spec_stats={
-                **spec_stats(gen.stats), "queue_s": round(run.queued_s, 6),
+                **spec_stats(gen.stats), "read_s": round(run.read_s, 6), "queue_s": round(run.queued_s, 6),
                 "server_s": round(time.perf_counter() - t0, 6), "first_token_s": round((first or t0) - t0, 6)}))
             if req.stream_options and req.stream_options.include_usage:
                 yield sse_event({"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model,

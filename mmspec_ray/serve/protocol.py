@@ -73,9 +73,9 @@ def usage(stats: GenerationStats, completion_tokens: int) -> dict[str, Any]:
 
 
 def spec_stats(stats: GenerationStats) -> dict[str, Any]:
-    """The speculative decoding figures of one answer (`spec_stats` in every final body; the server adds queue_s,
-    its wait for the decoder, server_s, its time from reading the request to sending the answer, and first_token_s,
-    from reading the request to the first token committed)."""
+    """The speculative decoding figures of one answer (`spec_stats` in every final body; the server adds read_s,
+    reading the body, queue_s, its wait for the decoder, server_s, its time from the request's arrival to sending
+    the answer, and first_token_s, from arrival to the first token committed)."""
     return {"accepted_per_cycle": round(stats.mean_accepted, 4),
             "tokens_per_forward": round(stats.tokens_per_forward, 4), "cycles": stats.cycles,
             "prefill_s": round(stats.prefill_s, 6), "decode_s": round(stats.total_s, 6)}

@@ -39,6 +39,7 @@ class DecodeRun:
         self.first_at: float | None = None  # perf_counter of the first committed token (set by the thread)
         self.cancelled = False  # True when the thread stopped early because of cancel()
         self.queued_s = 0.0  # how long the request waited for the decoder (set by the server)
+        self.read_s = 0.0  # how long reading the request body took (set by the server)
         self._head: Step | None = None  # a step looked at by peek() and not yet consumed
         self.future = self.loop.run_in_executor(executor, self._produce, start)
 
