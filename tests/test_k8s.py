@@ -124,6 +124,7 @@ def test_gpu_overlay_requests_gpus_and_toy_overlay_none():
             res = g["template"]["spec"]["containers"][0]["resources"]
             assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"] == "1"
             assert g["rayStartParams"]["num-gpus"] == "1"
+        for g in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:  # the driver reads the checkpoint too
             mounts = g["template"]["spec"]["containers"][0]["volumeMounts"]
             assert {"name": "models", "mountPath": "/models", "readOnly": True} in mounts
     toy = yaml.safe_dump(ray_objects("toy-cpu"))
@@ -158,9 +159,10 @@ def test_serve_config_is_valid_for_ray_serve_and_our_builder(overlay):
             module, attr = app.import_path.split(":")
             assert callable(getattr(importlib.import_module(module), attr)), app.import_path
             settings = ServeSettings.model_validate(app.args)
-            if settings.api_key_env:
-                names = {e["name"] for c in containers(doc) for e in c.get("env", []) if "valueFrom" in e}
-                assert settings.api_key_env in names, "the API key must come from a secret on every Ray pod"
+            if settings.api_key_env:  # replicas may land on any Ray pod: each needs the key, from a secret
+                for c in containers(doc):
+                    assert any(e["name"] == settings.api_key_env and "secretKeyRef" in e.get("valueFrom", {})
+                               for e in c.get("env", [])), c["name"]
 
 
 def test_dockerfile_installs_the_readme_way():
