@@ -403,7 +403,7 @@ def test_huge_png_reaches_the_decoder_small(tmp_path):
     path = tmp_path / "huge.png"
     Image.new("RGB", (7990, 7990), (30, 120, 200)).save(path, "PNG")
     got = probe("image", path, 336)
-    assert got["request_mb"] < 2.0, got  # 672 x 672 RGB: 1.3 MB (the full image would be 183 MB)
+    assert got["request_mb"] < 2.0, got  # 336 x 336 RGB: 0.3 MB (the full image would be 183 MB)
     assert got["growth_mb"] < 700, got
 
 
