@@ -113,6 +113,13 @@ def test_drop_rows_rewrites_parts_and_a_crash_between_leaves_the_newer(tmp_path)
     assert sorted(state.ids.to_pylist()) == ["r1", "r5"] and not (out / "mmspec-part-a_000000.fix1.parquet").exists()
 
 
+def test_overlap_through_a_symlink_is_refused(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "data")
+    with pytest.raises(JobInputError, match="overlap"):
+        check_disjoint(loc(tmp_path / "data"), loc(tmp_path / "link" / "out"))
+
+
 @pytest.mark.parametrize("a,b,overlap", [
     ("s3://b/data", "s3://b/data", True), ("s3://b/data/", "s3://b/data/out", True),
     ("s3://b/data/in", "s3://b/data", True), ("s3://b/data", "s3://b/data2", False),

@@ -92,7 +92,8 @@ def check_disjoint(a: Location, b: Location, what: str = "input", other: str = "
     would be read back as input on the next run, an input inside the output is the job's to clean."""
     if a.is_s3 != b.is_s3:
         return
-    pa_, pb = a.path.rstrip("/").split("/"), b.path.rstrip("/").split("/")
+    real = (lambda p: p) if a.is_s3 else os.path.realpath  # through symlinks on local disks
+    pa_, pb = real(a.path).rstrip("/").split("/"), real(b.path).rstrip("/").split("/")
     n = min(len(pa_), len(pb))
     if pa_[:n] == pb[:n]:
         raise JobInputError(f"{what} {a.uri} and {other} {b.uri} overlap (one lies inside the other); write the "
@@ -109,8 +110,11 @@ def scan_input(loc: Location) -> tuple[pa.Schema, pa.ChunkedArray]:
     def schema_of(path: str) -> pa.Schema:
         try:
             return pq.read_schema(path, filesystem=loc.fs)
-        except (pa.ArrowException, OSError) as e:
+        except pa.ArrowInvalid as e:
             raise JobInputError(f"input file {_name(loc, path)} is not readable parquet: {_one_line(e)}") from e
+        except OSError as e:  # the store, not the file: say so (re-run later), never blame the data
+            raise JobInputError(f"cannot read input file {_name(loc, path)} ({_one_line(e)}); check access and "
+                                "re-run when the store is reachable") from e
 
     with ThreadPoolExecutor(max_workers=8) as pool:
         schemas = list(pool.map(schema_of, files))
