@@ -85,3 +85,14 @@ def test_load_drafter_errors_are_clear(target, tmp_path):
     assert isinstance(load_drafter(str(tmp_path / "ok"), target, device="cpu"), Eagle2Drafter)
     with pytest.raises(ValueError, match="drafter device meta differs from the target's device cpu"):
         load_drafter(str(tmp_path / "ok"), target, device="meta")  # was accepted and ignored
+
+
+def test_random_drafter_depends_only_on_its_seed(target):
+    """Every parameter of `Eagle2Drafter.random(seed=...)` comes from the seed, none from the global RNG."""
+    torch.manual_seed(1)
+    a = Eagle2Drafter.random(target, seed=7).head.state_dict()
+    torch.manual_seed(2)
+    b = Eagle2Drafter.random(target, seed=7).head.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    c = Eagle2Drafter.random(target, seed=8).head.state_dict()
+    assert not torch.equal(a["fc.bias"], c["fc.bias"]) and not torch.equal(a["fc.weight"], c["fc.weight"])

@@ -116,12 +116,14 @@ class Eagle2Drafter:
 
     @classmethod
     def random(cls, target: "VLMTarget", seed: int = 0, std: float = 0.02) -> "Eagle2Drafter":
-        """An untrained drafter (tests: output must not depend on drafter quality)."""
+        """An untrained drafter (tests: output must not depend on drafter quality). Every weight matrix and bias
+        is drawn from `seed` alone (norm scales stay 1), so the same seed gives the same drafter whatever the
+        global RNG holds."""
         g = torch.Generator().manual_seed(seed)
         head = Eagle2Head(Eagle2Config.for_target(target))
         with torch.no_grad():
-            for p in head.parameters():
-                if p.dim() > 1:
+            for name, p in head.named_parameters():
+                if p.dim() > 1 or name.endswith("bias"):
                     p.copy_(torch.randn(p.shape, generator=g) * std)
         return cls(head, target)
 
