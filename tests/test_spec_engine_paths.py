@@ -11,11 +11,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from mmspec_ray.config import SamplingParams
+from mmspec_ray.drafters.eagle import Eagle2Drafter
 from mmspec_ray.drafters.oracle import OracleDrafter
 from mmspec_ray.spec.engine import AREngine, SpecEngine
 from mmspec_ray.spec.sampling import warp
 from mmspec_ray.spec.tree import DraftTree, TreeConfig, grow_dynamic_tree
-from mmspec_ray.targets import Request, wrap
+from mmspec_ray.targets import PromptTooLong, Request, wrap
 from test_spec_accept import chi2_critical, chi2_stat
 from tiny import let_eos_win_where, random_images, tiny_llava
 
@@ -71,6 +72,36 @@ def test_trees_are_cut_to_what_can_still_be_emitted(target, monkeypatch):
     seen.clear()
     g = SpecEngine(target, OracleDrafter(ar), TREE).generate(REQ, max_new_tokens=8)
     assert g.token_ids == ar[:8] and seen == [(6, 5), (1, 0)]  # one token left: only the root is verified
+
+
+def test_near_the_end_of_the_context_the_tree_shrinks_and_output_equals_hf(monkeypatch):
+    """A prompt + max_new_tokens that exactly fill the context is answered (as HF generate answers it), with every
+    verified tree cut to the cache slots left; one token more is refused before any forward."""
+    model, processor = tiny_llava()
+    target = wrap(model, processor)
+    inputs = target.encode(REQ)
+    n_prompt, new = inputs["input_ids"].shape[1], 24
+    model.config.text_config.max_position_embeddings = n_prompt + new
+    assert target.max_context == n_prompt + new
+    with torch.inference_mode():
+        hf = model.generate(**inputs, do_sample=False, max_new_tokens=new)[0, n_prompt:].tolist()
+    ends: list[int] = []  # cache slots in use after each verify
+    verify = target.verify
+
+    def spy(tokens, ancestors, depth):
+        ends.append(target.seq_len + int(tokens.shape[0]))
+        return verify(tokens, ancestors, depth)
+
+    monkeypatch.setattr(target, "verify", spy)
+    tree = TreeConfig(top_k=8, depth=5, total_tokens=48)
+    for drafter in (OracleDrafter(hf, accept_len=5), Eagle2Drafter.random(target, seed=3)):
+        ends.clear()
+        g = SpecEngine(target, drafter, tree).generate(REQ, max_new_tokens=new)
+        assert g.token_ids == hf and len(hf) == new
+        assert max(ends) <= target.max_context, ends
+    assert max(ends) == target.max_context, ends  # the random drafter's wide trees were cut to the slots left
+    with pytest.raises(PromptTooLong, match="exceeds the target's context"):
+        SpecEngine(target, OracleDrafter(hf), tree).generate(REQ, max_new_tokens=new + 1)
 
 
 class HostCopies(TorchFunctionMode):

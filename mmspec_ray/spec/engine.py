@@ -48,7 +48,7 @@ class SpecEngine:
         t0 = time.perf_counter()
         inputs = t.encode(request)
         n_prompt = inputs["input_ids"].shape[1]
-        t.check_length(n_prompt, max_new_tokens + self.tree.total_tokens)
+        t.check_length(n_prompt, max_new_tokens)  # as HF: the answer must fit; the tree shrinks near the end
         gen = make_generator(sampling, t.device)  # acceptance runs where the logits are
         tracker = OutputTracker(t.tokenizer, t.eos_token_ids, max_new_tokens, stop)
         stats = GenerationStats(prompt_tokens=n_prompt)
@@ -66,7 +66,9 @@ class SpecEngine:
         stats.draft_s += time.perf_counter() - td
         while True:
             td = time.perf_counter()
-            tree = d.propose(root, self.tree).truncate(tracker.remaining - 1)  # deeper nodes could never be emitted
+            room = t.max_context - t.seq_len  # cache slots left; >= remaining + 1 >= 2 by check_length
+            tree = (d.propose(root, self._fit(room)).truncate(tracker.remaining - 1)  # deeper: never emitted
+                    .head(room))  # the verified tree must fit the context
             tv = time.perf_counter()
             v = t.verify(tree.tokens, tree.ancestors, tree.depth)
             ta = time.perf_counter()
@@ -89,6 +91,12 @@ class SpecEngine:
             stats.draft_s += time.perf_counter() - to
             root = bonus
         return self._finish(tracker, stats, t0)
+
+    def _fit(self, room: int) -> TreeConfig:
+        """The tree config shrunk to `room` cache slots (the verified tree must fit the target's context)."""
+        if room >= self.tree.total_tokens:
+            return self.tree
+        return TreeConfig(top_k=self.tree.top_k, depth=min(self.tree.depth, room - 1), total_tokens=room)
 
     @staticmethod
     def _finish(tracker: OutputTracker, stats: GenerationStats, t0: float) -> Generation:

@@ -60,6 +60,13 @@ class DraftTree:
         par = torch.where(par >= 0, index[par.clamp(min=0)], par)
         return DraftTree(self.tokens[keep], par, self.depth[keep], self.scores[keep])
 
+    def head(self, n: int) -> "DraftTree":
+        """The first n nodes (self when it has no more). Parents precede children, so any prefix is a tree rooted
+        at node 0; the engine cuts a tree to the cache slots left before the target's context ends."""
+        if n >= self.size:
+            return self
+        return DraftTree(self.tokens[:n], self.parents[:n], self.depth[:n], self.scores[:n])
+
     @staticmethod
     def chain(tokens: list[int]) -> "DraftTree":
         """A single path (n-gram and semi-autoregressive drafters): a chain is a tree."""
