@@ -12,7 +12,7 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    temperature: float = Field(0.0, ge=0.0)
+    temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="tiny values work (see warp)")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="0 disables top-k")
     seed: int | None = None

@@ -184,3 +184,20 @@ def test_a_child_holding_all_the_leftover_mass_is_accepted_not_a_crash(monkeypat
     tree = DraftTree.chain([0, 3])
     path, bonus = accept(tree, torch.zeros(2, V), SamplingParams(temperature=1.0), torch.Generator())
     assert path == [0, 1] and bonus == 3
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300, 5e-324])
+def test_tiny_temperatures_warp_to_the_argmax_not_nan(temperature):
+    """HF's TemperatureLogitsWarper takes any positive float and divides, so T=1e-40 overflows to inf/nan; the warp
+    works relative to the max, so a tiny T is the limit it should be: all mass on the argmax (split across ties)."""
+    params = SamplingParams(temperature=temperature)
+    logits = torch.tensor([[0.3, 2.5, -1.0, float("-inf"), 2.4], [7.0, 7.0, 1.0, 0.0, -3.0]])
+    probs = warp(logits, params)
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0, 0.0]]))
+    assert torch.equal(warp(logits, SamplingParams(temperature=temperature, top_k=2, top_p=0.9)), probs)
+
+
+def test_sampling_params_refuse_non_finite_temperatures():
+    for bad in (float("inf"), float("nan"), -1e-9):
+        with pytest.raises(ValueError, match="temperature"):
+            SamplingParams(temperature=bad)

@@ -210,3 +210,11 @@ def test_deep_tree_sampling_output_distribution_equals_the_target():
     assert deep > n // 5  # paths of two or more draft tokens were really accepted (about half the runs)
     stat, df = chi2_stat(samples, probs, n)
     assert stat < chi2_critical(df), f"chi2 {stat:.1f} > {chi2_critical(df):.1f} (df {df})"
+
+
+def test_a_tiny_temperature_decodes_as_greedy(target):
+    """T=1e-40 used to fail with "probability tensor contains inf/nan"; its limit is the greedy answer."""
+    ar = AREngine(target).generate(REQ, max_new_tokens=12).token_ids
+    for drafter in (OracleDrafter(ar), Eagle2Drafter.random(target, seed=2)):
+        g = SpecEngine(target, drafter, TREE).generate(REQ, SamplingParams(temperature=1e-40, seed=0), 12)
+        assert g.token_ids == ar

@@ -11,11 +11,14 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities over the last axis after temperature, then top-k, then top-p (HF's order).
 
     Greedy (temperature 0) gives a one-hot at the argmax, so acceptance code can treat both modes alike.
+    Temperature divides the logits minus their max (the same softmax), so a tiny temperature (1e-40, which
+    overflows `logits / T` to inf and the softmax to nan, in HF too) gives its limit: all mass on the argmax.
     """
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    top = logits.max(-1, keepdim=True).values
+    logits = torch.where(logits == top, 0.0, (logits - top) / params.temperature)  # 0 / T: no 0/0 when T -> 0
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
