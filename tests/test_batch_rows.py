@@ -143,6 +143,13 @@ def test_over_long_prompt_is_a_row_error(decoder):
     assert out["output_text"] is None and set(out) == set(OUTPUT_COLUMNS)
 
 
+def test_a_typed_image_placeholder_is_an_invalid_row_naming_the_field(decoder):
+    """It was filed as kind internal with the processor's raw ValueError."""
+    out = decoder.decode({"id": "p", "prompt": "describe <image> here", "image": png(random_images(1, seed=3)[0])})
+    assert out["error_kind"] == "invalid" and out["output_text"] is None, out
+    assert out["error"].startswith("prompt contains the image placeholder token '<image>'; remove it"), out
+
+
 def test_call_on_raw_and_prepared_blocks(decoder, cfg):
     img = png(random_images(1, seed=9)[0])
     block = pa.Table.from_pylist([

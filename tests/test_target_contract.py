@@ -5,9 +5,12 @@ tests/test_targets_<family>.py."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from families import FAMILIES, build_target
+from mmspec_ray.targets import InvalidRequest, Request
 from target_checks import check_ar_equals_hf, check_commit_then_continue, check_verify_matches_paths
 
 ALL = [(f.name, r) for f in FAMILIES.values() for r in f.requests]
@@ -50,3 +53,23 @@ def test_ar_equals_hf_generate_and_is_varied(targets, family, name):
 def test_commit_then_continue(targets, family, name):
     f = FAMILIES[family]
     check_commit_then_continue(targets(family), f.requests[name], steps=f.commit_steps)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_placeholders_typed_into_the_text_are_refused_naming_the_field(targets, family):
+    """A typed media placeholder gave the processor's raw ValueError (LLaVA, LLaVA-NeXT, Qwen2.5-VL) or shifted
+    media; every family refuses it with an InvalidRequest naming the field and the token."""
+    target = targets(family)
+    image = FAMILIES[family].requests["image"].images
+    token = target.processor.image_token
+    with pytest.raises(InvalidRequest, match=rf"^prompt contains the image placeholder token '{re.escape(token)}'; "
+                                             "remove it"):
+        target.encode(Request(prompt=f"describe {token} this", images=image))
+    parts = [{"type": "image"}, {"type": "text", "text": f"{token}describe"}]
+    with pytest.raises(InvalidRequest, match=r"^messages\[0\]\.content\[1\]\.text contains the image placeholder"):
+        target.encode(Request(messages=[{"role": "user", "content": parts}], images=image))
+    video = getattr(target.processor, "video_token", None)
+    if video:
+        with pytest.raises(InvalidRequest, match=r"^prompt contains the video placeholder token"):
+            target.encode(Request(prompt=f"what {video}", images=image))
+    target.encode(Request(prompt="describe this", images=image))  # the clean request still encodes

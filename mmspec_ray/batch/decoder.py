@@ -23,7 +23,7 @@ from mmspec_ray.config import SamplingParams
 from mmspec_ray.drafters.base import load_drafter
 from mmspec_ray.spec.engine import SpecEngine
 from mmspec_ray.spec.output import Generation
-from mmspec_ray.targets import PromptTooLong, Request, TargetError, load_target
+from mmspec_ray.targets import InvalidRequest, PromptTooLong, Request, TargetError, load_target
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,8 @@ class SpecDecoder:
             gen = self.engine.generate(request, cfg.sampling_for(row_id), cfg.max_new_tokens, cfg.stop)
         except PromptTooLong as e:
             return error_output(f"prompt: too long: {e}", "too_long")
+        except InvalidRequest as e:  # the row's own content (e.g. a typed <image>), named by field
+            return error_output(str(e), "invalid")
         except TargetError as e:
             return error_output(f"request: {e}", "target")
         except Exception as e:  # a bug or a device error on one row must not end the job

@@ -14,6 +14,8 @@ import torch
 from PIL import Image
 from transformers import DynamicCache
 
+from mmspec_ray.targets.placeholders import placeholder_tokens, typed_placeholder
+
 log = logging.getLogger(__name__)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -21,6 +23,10 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 class TargetError(ValueError):
     """A request this target cannot serve (wrong media kind, too long, missing processor ...). Says what to do."""
+
+
+class InvalidRequest(TargetError):
+    """The request's own shape is wrong (a field's content, not a target limit); the message starts with the field."""
 
 
 class PromptTooLong(TargetError):
@@ -154,6 +160,11 @@ class VLMTarget:
     def encode(self, request: Request) -> dict[str, Any]:
         """Request -> model inputs for prefill (tokens with media placeholders expanded, pixel tensors ...)."""
         self.check_request(request)
+        typed = typed_placeholder(request.prompt, request.messages, placeholder_tokens(self.processor))
+        if typed:
+            field, kind, token = typed
+            raise InvalidRequest(f"{field} contains the {kind} placeholder token {token!r}; remove it: media are "
+                                 f"placed by the request's {kind}s (one {kind} part each), not by text")
         template = getattr(self.processor, "chat_template", None) or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise TargetError("the processor has no chat template; set processor.chat_template")
