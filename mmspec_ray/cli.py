@@ -9,8 +9,35 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
 
 log = logging.getLogger("mmspec")
+M = TypeVar("M", bound=BaseModel)
+SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed"}
+TREE_FLAGS = {"top_k": "--tree-top-k", "depth": "--tree-depth", "total_tokens": "--tree-tokens"}
+
+
+class UsageError(Exception):
+    """A command-line parameter out of range: printed as one line naming the flag (exit code 2), before any load."""
+
+
+def one_line(e: ValidationError, flags: dict[str, str] | None = None) -> str:
+    """A pydantic validation error as one line per the first error, the field named by its flag."""
+    err = e.errors()[0]
+    field = str(err["loc"][-1]) if err["loc"] else ""
+    flag = (flags or {}).get(field, "--" + field.replace("_", "-"))
+    more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+    return f"{flag}: {err['msg'].lower()} (got {err.get('input')!r}){more}"
+
+
+def checked(model: type[M], flags: dict[str, str], **values: Any) -> M:
+    """`model(**values)`; a validation error becomes a one-line UsageError naming the flag (`flags`: field -> flag)."""
+    try:
+        return model(**values)
+    except ValidationError as e:
+        raise UsageError(one_line(e, flags)) from None
 
 
 def cmd_toy_build(a: argparse.Namespace) -> int:
@@ -56,13 +83,17 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     if a.image and a.video:
         raise SystemExit("give --image or --video, not both")
+    for flag, value in (("--max-new-tokens", a.max_new_tokens), ("--num-frames", a.num_frames)):
+        if value is not None and value < 1:  # checked before the (minutes-long) model load
+            raise UsageError(f"{flag}: must be at least 1 (got {value})")
+    sampling = checked(SamplingParams, SAMPLING_FLAGS, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                       seed=a.seed)
+    tree = checked(TreeConfig, TREE_FLAGS, top_k=a.tree_top_k, depth=a.tree_depth, total_tokens=a.tree_tokens)
     path = fetch_checkpoint(resolve_target(a.target))  # s3:// (S3Config.from_env) -> its local cache directory
     target = load_target(path)
     drafter = load_drafter(resolve_drafter(a.drafter, a.target), target)
     images = (load_image(a.image),) if a.image else ()
     videos = (tuple(load_video(a.video, a.num_frames or video_frames_for(path)).frames),) if a.video else ()
-    sampling = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed)
-    tree = TreeConfig(top_k=a.tree_top_k, depth=a.tree_depth, total_tokens=a.tree_tokens)
     g = SpecEngine(target, drafter, tree).generate(Request(prompt=a.prompt, images=images, videos=videos), sampling,
                                                    max_new_tokens=a.max_new_tokens)
     print(g.text)
@@ -114,9 +145,9 @@ def bench_config(a: argparse.Namespace):
     from mmspec_ray.bench.run import BenchConfig
     from mmspec_ray.spec.tree import TreeConfig
 
-    return BenchConfig(prompts=a.prompts, max_new_tokens=a.max_new_tokens, repeats=a.repeats,
-                       temperatures=tuple(a.temperatures), seed=a.seed,
-                       tree=TreeConfig(top_k=a.tree_top_k, depth=a.tree_depth, total_tokens=a.tree_tokens))
+    tree = checked(TreeConfig, TREE_FLAGS, top_k=a.tree_top_k, depth=a.tree_depth, total_tokens=a.tree_tokens)
+    return checked(BenchConfig, {}, prompts=a.prompts, max_new_tokens=a.max_new_tokens, repeats=a.repeats,
+                   temperatures=tuple(a.temperatures), seed=a.seed, tree=tree)
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
@@ -211,10 +242,14 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return a.fn(a)
+    except UsageError as e:
+        print(f"mmspec: error: {e}", file=sys.stderr)
+        return 2
     except Exception as e:  # clear one-line error for users; traceback with -v
         if a.verbose:
             raise
-        print(f"mmspec: error: {type(e).__name__}: {e}", file=sys.stderr)
+        text = one_line(e) if isinstance(e, ValidationError) else f"{type(e).__name__}: {e}"
+        print(f"mmspec: error: {text}", file=sys.stderr)
         return 2
 
 
