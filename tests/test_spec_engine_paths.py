@@ -16,7 +16,7 @@ from mmspec_ray.drafters.oracle import OracleDrafter
 from mmspec_ray.spec.engine import AREngine, SpecEngine
 from mmspec_ray.spec.sampling import warp
 from mmspec_ray.spec.tree import DraftTree, TreeConfig, grow_dynamic_tree
-from mmspec_ray.targets import PromptTooLong, Request, wrap
+from mmspec_ray.targets import PromptTooLong, Request, load_target, wrap
 from test_spec_accept import chi2_critical, chi2_stat
 from tiny import let_eos_win_where, random_images, tiny_llava
 
@@ -218,3 +218,26 @@ def test_a_tiny_temperature_decodes_as_greedy(target):
     for drafter in (OracleDrafter(ar), Eagle2Drafter.random(target, seed=2)):
         g = SpecEngine(target, drafter, TREE).generate(REQ, SamplingParams(temperature=1e-40, seed=0), 12)
         assert g.token_ids == ar
+
+
+def test_stops_on_the_generation_configs_eos_ids_like_hf(tmp_path):
+    """HF generate stops on the generation config's eos ids only (generation_config.json when the checkpoint has
+    one); a text-config eos outside them must not end the answer (it did: we stopped on the union)."""
+    model, processor = tiny_llava()
+    ar = AREngine(wrap(model, processor)).generate(REQ, max_new_tokens=40).token_ids
+    early = next(i for i in range(3, 40) if ar[i] not in ar[:i])  # tokens first emitted at these indices
+    late = next(i for i in range(early + 4, 40) if ar[i] not in ar[:i])
+    model.config.text_config.eos_token_id = ar[early]
+    model.generation_config.eos_token_id = [ar[late], processor.tokenizer.eos_token_id]
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    target = load_target(tmp_path)
+    assert target.model.generation_config.eos_token_id == [ar[late], processor.tokenizer.eos_token_id]
+    assert target.text_config.eos_token_id == ar[early]
+    inputs = target.encode(REQ)
+    with torch.inference_mode():
+        hf = target.model.generate(**inputs, do_sample=False, max_new_tokens=40)[0, inputs["input_ids"].shape[1]:]
+    assert hf.tolist() == ar[:late + 1]
+    for drafter in (OracleDrafter(ar), Eagle2Drafter.random(target, seed=1)):
+        g = SpecEngine(target, drafter, TREE).generate(REQ, max_new_tokens=40)
+        assert g.token_ids == hf.tolist() and g.finish_reason == "stop"

@@ -33,6 +33,11 @@ class PromptTooLong(TargetError):
     """Prompt + max_new_tokens exceed the target's context (callers report it as its own error kind)."""
 
 
+def id_set(src: int | list[int] | tuple[int, ...] | None) -> set[int]:
+    """A config's token id field (an id, a list of ids or None) as a set."""
+    return set() if src is None else set(src) if isinstance(src, (list, tuple)) else {src}
+
+
 @dataclass(frozen=True)
 class Request:
     """One user turn: a text prompt (or OpenAI-style messages) plus its media."""
@@ -108,13 +113,10 @@ class VLMTarget:
 
     @property
     def eos_token_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for src in (self.model.generation_config.eos_token_id, self.text_config.eos_token_id,
-                    self.tokenizer.eos_token_id):
-            if src is None:
-                continue
-            ids.update(src if isinstance(src, (list, tuple)) else [src])
-        return ids
+        """What decoding stops on: the generation config's eos ids, as HF generate (the checkpoint's
+        generation_config.json when it has one); the text config's and tokenizer's only when it names none."""
+        return id_set(self.model.generation_config.eos_token_id) or (
+            id_set(self.text_config.eos_token_id) | id_set(self.tokenizer.eos_token_id))
 
     @property
     def media_token_ids(self) -> set[int]:
