@@ -735,3 +735,16 @@ def test_s3_limits_and_bad_objects(s3_server, s3_media, png_bytes):
     media_error(load_image, s3_media["empty"], s3=cfg, kinds="empty")
     err = media_error(load_video, s3_media["cut"], num_frames=4, s3=cfg, kinds="truncated")
     assert err.source == s3_media["cut"]
+
+
+def test_damaged_video_errors_say_what_to_do_without_ffmpeg_errno_text():
+    from mmspec_ray.toy.clips import encode_mp4
+    from tiny import random_images
+
+    clip = encode_mp4(random_images(8, seed=2), fps=8)
+    for data, kind, hint in ((clip[: len(clip) // 2], "truncated", "upload the whole file again"),
+                             (b"\x1a\x45\xdf\xa3" + bytes(500), "corrupt", "re-encode the file")):
+        with pytest.raises(MediaError) as e:
+            load_video(data)
+        assert e.value.kind == kind and hint in str(e.value), str(e.value)
+        assert "Errno" not in str(e.value) and "<none>" not in str(e.value), str(e.value)

@@ -175,7 +175,7 @@ def _sample(container, stream, declared, duration, rate, num_frames, fps, limits
         raise _Recount(count)
     if count == 0:
         kind = "truncated" if overrun else "corrupt"
-        raise MediaError(kind, f"no decodable frame{': ' + str(error) if error else ''}", label)
+        raise MediaError(kind, f"no decodable frame{' (' + _ffmpeg_reason(error) + ')' if error else ''}", label)
     # A cut-off file must not pass as a shorter clip: in fps mode (or without a declared count) `got_all` is
     # always true, so also fail when the file is provably cut and fewer frames decoded than the container lists.
     if not got_all or (overrun and (error is not None or declared > count)):
@@ -240,8 +240,16 @@ def _mp4_lacks_moov(data: bytes) -> bool:
 
 
 def _open_error(data: bytes, overrun: bool, e: Exception, label: str | None) -> MediaError:
+    """What the user can act on, not FFmpeg's errno text (kept on the exception chain for the logs)."""
     if overrun or _mp4_lacks_moov(data):
-        return MediaError("truncated", f"the file is cut short ({e})", label)
+        return MediaError("truncated", "the file is cut short (its MP4 index is missing or incomplete: an "
+                          "interrupted upload or download?); upload the whole file again", label)
     if data[4:8] == b"ftyp" or data.startswith(_VIDEO_MAGIC_AT0):
-        return MediaError("corrupt", f"video container is damaged: {e}", label)
-    return MediaError("unsupported", f"not a recognised video container: {e}", label)
+        return MediaError("corrupt", f"video container is damaged ({_ffmpeg_reason(e)}); re-encode the file", label)
+    return MediaError("unsupported", "not a recognised video container (MP4, MKV, WebM, AVI, MOV ... expected)",
+                      label)
+
+
+def _ffmpeg_reason(e: Exception) -> str:
+    """FFmpeg's message without its errno number and the '<none>' file name PyAV adds for in-memory input."""
+    return getattr(e, "strerror", None) or str(e)
