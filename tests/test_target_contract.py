@@ -8,9 +8,10 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from families import FAMILIES, build_target
-from mmspec_ray.targets import InvalidRequest, Request
+from mmspec_ray.targets import InvalidRequest, Request, TargetError
 from target_checks import check_ar_equals_hf, check_commit_then_continue, check_verify_matches_paths
 
 ALL = [(f.name, r) for f in FAMILIES.values() for r in f.requests]
@@ -73,3 +74,24 @@ def test_placeholders_typed_into_the_text_are_refused_naming_the_field(targets, 
         with pytest.raises(InvalidRequest, match=r"^prompt contains the video placeholder token"):
             target.encode(Request(prompt=f"what {video}", images=image))
     target.encode(Request(prompt="describe this", images=image))  # the clean request still encodes
+
+
+VIDEO = [f.name for f in FAMILIES.values() if "video" in f.requests]
+
+
+@pytest.mark.parametrize("family", VIDEO)
+def test_a_video_part_in_explicit_messages_encodes_like_the_prompt_form(targets, family):
+    """Explicit messages naming a clip with one {'type': 'video'} part encode exactly as the prompt form of the same
+    request (LLaVA and Gemma3 sent the clip's frames with no placeholders: the processor's raw "Found total 0 <image>
+    tokens and 3 images"); a video part before an image part keeps that order for frame families."""
+    target = targets(family)
+    clip = FAMILIES[family].requests["video"].videos
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what is happening"}]}]
+    got = target.encode(Request(messages=messages, videos=clip))
+    want = target.encode(Request(prompt="what is happening", videos=clip))
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert torch.equal(got[key], value) if isinstance(value, torch.Tensor) else got[key] == value, key
+    with pytest.raises(TargetError, match=r"messages name 0 image\(s\) and 1 video\(s\) but the request carries 0 "
+                                          r"image\(s\) and 2 video\(s\)"):
+        target.encode(Request(messages=messages, videos=clip + clip))

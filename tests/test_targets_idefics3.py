@@ -63,7 +63,7 @@ def test_clip_is_refused_with_a_clear_error(target):
 
 def test_placeholder_image_mismatch_is_a_target_error(target):
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "hi"}]}]
-    with pytest.raises(TargetError, match="one image part per image"):
+    with pytest.raises(TargetError, match=r"name 2 image\(s\) and 0 video\(s\) but the request carries 1 image"):
         target.encode(Request(messages=messages, images=(SQUARE,)))
 
 

@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 from transformers import DynamicCache
 
+from mmspec_ray.targets import frames
 from mmspec_ray.targets.placeholders import placeholder_tokens, typed_placeholder
 
 log = logging.getLogger(__name__)
@@ -136,18 +137,15 @@ class VLMTarget:
         return parts + [{"type": "text", "text": request.prompt or ""}]
 
     def messages(self, request: Request) -> list[dict]:
-        if request.messages is not None:
-            return request.messages
+        if request.messages is not None:  # a clip sent as frames: its video part becomes one image part per frame
+            return frames.expand_video_parts(request) if self.video_as_frames else request.messages
         return [{"role": "user", "content": self.chat_content(request)}]
 
     def processor_inputs(self, text: str, request: Request) -> dict[str, Any]:
         """Call the processor on templated text + media. Overridden where a family's processor differs."""
         kw: dict[str, Any] = {"text": text, "return_tensors": "pt"}
-        images = list(request.images)
-        if self.video_as_frames:
-            for clip in request.videos:
-                images += list(clip)
-        elif request.videos:
+        images = frames.media_in_order(request) if self.video_as_frames else list(request.images)
+        if request.videos and not self.video_as_frames:
             kw["videos"] = [list(c) for c in request.videos]
         if images:
             kw["images"] = images
@@ -158,6 +156,8 @@ class VLMTarget:
             raise TargetError(f"{self.family} targets take no images; send text only")
         if request.videos and not (self.takes_video or self.video_as_frames):
             raise TargetError(f"{self.family} targets take no video; send frames as images or use a video model")
+        if why := frames.media_count_error(request, self.family):  # explicit messages name the media they carry
+            raise TargetError(why)
 
     def encode(self, request: Request) -> dict[str, Any]:
         """Request -> model inputs for prefill (tokens with media placeholders expanded, pixel tensors ...)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from mmspec_ray.targets.base import Request, TargetError, VLMTarget
-from mmspec_ray.targets.llava_next import check_media_counts, check_processor_parts
+from mmspec_ray.targets.llava_next import check_processor_parts
 
 
 class LlavaOnevisionTarget(VLMTarget):
@@ -25,7 +25,6 @@ class LlavaOnevisionTarget(VLMTarget):
 
     def check_request(self, request: Request) -> None:
         super().check_request(request)
-        check_media_counts(request, self.family)
         check_processor_parts(self.processor, request, self.family, frames_as_images=False)
         lengths = sorted({len(clip) for clip in request.videos})
         if len(lengths) > 1:  # the model takes all clips of a request as one [videos, frames, C, H, W] tensor
