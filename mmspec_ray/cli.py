@@ -90,7 +90,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
                        seed=a.seed)
     tree = checked(TreeConfig, TREE_FLAGS, top_k=a.tree_top_k, depth=a.tree_depth, total_tokens=a.tree_tokens)
     path = fetch_checkpoint(resolve_target(a.target))  # s3:// (S3Config.from_env) -> its local cache directory
-    target = load_target(path)
+    target = load_target(path, dtype=a.dtype)
     drafter = load_drafter(resolve_drafter(a.drafter, a.target), target)
     images = (load_image(a.image),) if a.image else ()
     videos = (tuple(load_video(a.video, a.num_frames or video_frames_for(path)).frames),) if a.video else ()
@@ -157,7 +157,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from mmspec_ray.toy.prompts import toy_requests
 
     world = build_toy(a.target)
-    target = load_target(world.target)
+    target = load_target(world.target, dtype=a.dtype)
     drafter = resolve_drafter(a.drafter, a.target) if a.drafter else None
     cfg = bench_config(a)
     tasks = tuple(a.tasks.split(",")) if a.tasks else None
@@ -204,6 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tree-top-k", type=int, default=8)
     gen.add_argument("--tree-depth", type=int, default=5)
     gen.add_argument("--tree-tokens", type=int, default=48, help="draft tree size including the root")
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                     help="the target's dtype; auto: bfloat16 on cuda, float32 on CPU (this command runs on CPU), "
+                     "as the batch job; only float32 gives HF generate's greedy output token for token "
+                     "(docs/engine.md, Precision)")
     gen.set_defaults(fn=cmd_generate)
 
     td = sub.add_parser("train-drafter", help="generate target-answered features and train a drafter")
@@ -229,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--tree-top-k", type=int, default=8)
     be.add_argument("--tree-depth", type=int, default=5)
     be.add_argument("--tree-tokens", type=int, default=48)
+    be.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="the target's dtype (as mmspec generate --dtype)")
     be.add_argument("--seed", type=int, default=0)
     be.add_argument("--out", default="out/bench")
     be.set_defaults(fn=cmd_bench)

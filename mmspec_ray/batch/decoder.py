@@ -24,10 +24,9 @@ from mmspec_ray.drafters.base import load_drafter
 from mmspec_ray.spec.engine import SpecEngine
 from mmspec_ray.spec.output import Generation
 from mmspec_ray.targets import InvalidRequest, PromptTooLong, Request, TargetError, load_target
+from mmspec_ray.targets.registry import resolve_dtype
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_device(cfg: DecodeConfig) -> tuple[str, torch.dtype]:
@@ -35,9 +34,7 @@ def resolve_device(cfg: DecodeConfig) -> tuple[str, torch.dtype]:
     device = cfg.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if cfg.dtype != "auto":
-        return device, _DTYPES[cfg.dtype]
-    return device, torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return device, resolve_dtype(cfg.dtype, device)
 
 
 class SpecDecoder:

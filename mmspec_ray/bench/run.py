@@ -77,7 +77,10 @@ def run_bench(target: VLMTarget, requests: list[Request], drafter_path: str | No
               assistant=None) -> dict:
     """Measure every method on every request; returns the raw records and per-method summaries."""
     results: dict = {"config": cfg.model_dump(), "machine": platform.processor() or platform.machine(),
-                     "torch_threads": torch.get_num_threads(), "runs": []}
+                     "torch_threads": torch.get_num_threads(), "dtype": str(target.dtype).removeprefix("torch."),
+                     "runs": []}
+    if assistant is not None:  # the HF assisted-generation peer's small model runs in the target's dtype
+        assistant = assistant.to(device=target.device, dtype=target.dtype)
     ar = AREngine(target)
     for temp in cfg.temperatures:
         sampling = SamplingParams(temperature=temp, top_k=0, top_p=1.0, seed=cfg.seed)

@@ -16,6 +16,21 @@ from mmspec_ray.targets.base import TargetError, VLMTarget
 
 log = logging.getLogger(__name__)
 _FAMILIES: dict[str, type[VLMTarget]] = {}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("auto", *DTYPES)  # what every entry point's `dtype` accepts
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device = "cpu") -> torch.dtype:
+    """The torch dtype a target is loaded in: a name in DTYPE_NAMES or a torch dtype; "auto" (or None) means
+    bfloat16 on cuda and float32 elsewhere. Only float32 gives HF generate's greedy output token for token in
+    every case (docs/engine.md, "Precision")."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
+    return DTYPES[dtype]
 
 
 def register(cls: type[VLMTarget]) -> type[VLMTarget]:
@@ -75,9 +90,10 @@ def wrap(model, processor, feature_layers: tuple[int, ...] = ()) -> VLMTarget:
     return adapter_for(model)(model, processor, feature_layers)
 
 
-def load_target(path_or_uri: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
+def load_target(path_or_uri: str | Path, device: str = "cpu", dtype: str | torch.dtype | None = None,
                 feature_layers: tuple[int, ...] = (), s3: S3Config | None = None) -> VLMTarget:
-    """Load a checkpoint (local directory or s3://bucket/prefix) with the stock Auto classes and wrap it."""
+    """Load a checkpoint (local directory or s3://bucket/prefix) with the stock Auto classes and wrap it.
+    `dtype`: a torch dtype or a name (auto, float32, bfloat16, float16; see `resolve_dtype`); None: float32."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     path = fetch_checkpoint(str(path_or_uri), s3)
@@ -101,7 +117,8 @@ def load_target(path_or_uri: str | Path, device: str = "cpu", dtype: torch.dtype
         raise TargetError(f"checkpoint {path}: AutoProcessor loaded only a {type(processor).__name__}, not a "
                           f"multimodal processor ({why}); save the stock processor next to the model "
                           "(processor.save_pretrained)")
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype or torch.float32).to(device)
+    dtype = torch.float32 if dtype is None else resolve_dtype(dtype, device)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device)
     return wrap(model, processor, feature_layers)
 
 
