@@ -8,18 +8,22 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class SamplingParams(BaseModel):
-    """How the next token is chosen. temperature == 0 means greedy (argmax)."""
+    """How the next token is chosen. temperature == 0 means greedy (argmax). A field left None takes the
+    checkpoint's generation config (HF's defaults where it says nothing: top_k 50, top_p 1, no penalty), resolved by
+    the engine (`spec/processors.py: resolve_sampling`); an unresolved None reads as off / greedy."""
 
     model_config = ConfigDict(frozen=True)
 
-    temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="tiny values work (see warp)")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="0 disables top-k")
+    temperature: float | None = Field(None, ge=0.0, allow_inf_nan=False, description="tiny values work (see warp)")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, description="0 disables top-k")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="drop tokens below min_p x the top probability")
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False, description="HF's; 1 disables")
     seed: int | None = None
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return not self.temperature
 
 
 class S3Config(BaseModel):

@@ -45,6 +45,8 @@ def build_parser(job: str) -> argparse.ArgumentParser:
     a("--temperature", type=float)
     a("--top-p", type=float)
     a("--top-k", type=int)
+    a("--min-p", type=float)
+    a("--repetition-penalty", type=float, help="default: the checkpoint's generation config")
     a("--seed", type=int)
     a("--limit", type=int, help="only the first N input rows")
     a("--prompt", help="prompt for rows without a prompt column" +
@@ -78,7 +80,7 @@ def flag_overrides(a: argparse.Namespace) -> dict[str, Any]:
     if a.retry_errors:
         top["retry_errors"] = [k.strip() for k in a.retry_errors.split(",") if k.strip()]
     dec = {k: getattr(a, k) for k in ("target", "drafter", "max_new_tokens", "temperature", "top_p", "top_k",
-                                      "seed", "device", "dtype")}
+                                      "min_p", "repetition_penalty", "seed", "device", "dtype")}
     dec["default_prompt"] = a.prompt
     media = {"num_frames": a.num_frames, "fps": a.fps}
     s3 = {}

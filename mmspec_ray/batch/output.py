@@ -39,7 +39,7 @@ MARKER_FORMAT = 1
 _READ_TRIES = 4  # a transiently failing part read: 4 tries over ~7 s, then the job stops (deleting nothing)
 # Settings that may differ on a resume when decoding is greedy: they change speed (or unused sampling knobs),
 # never the text.
-GREEDY_FREE = ("drafter", "tree", "top_p", "top_k", "seed")
+GREEDY_FREE = ("drafter", "tree", "top_p", "top_k", "min_p", "seed")
 
 
 class PartNames(FilenameProvider):

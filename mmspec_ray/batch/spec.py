@@ -59,9 +59,11 @@ class DecodeConfig(BaseModel):
     device: str = Field("auto", description='"auto" (cuda when the actor has a GPU), "cpu", "cuda", "cuda:1" ...')
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     tree: TreeConfig = TreeConfig()
-    temperature: float = Field(0.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
+    temperature: float = Field(0.0, ge=0.0, description="0: greedy (the default: one deterministic answer per row)")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="None: the checkpoint's generation config")
+    top_k: int | None = Field(None, ge=0, description="None: the checkpoint's generation config (HF's default 50)")
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, description="None: the checkpoint's generation config")
     seed: int = Field(0, description="with temperature > 0 each row samples with a seed derived from (seed, id)")
     max_new_tokens: int = Field(128, ge=1)
     stop: tuple[str, ...] = ()
@@ -74,16 +76,18 @@ class DecodeConfig(BaseModel):
         """What decides the output text, recorded in the output's marker: a resume must match it (drafter, tree
         and sampling knobs may change at temperature 0, where they cannot change the text)."""
         return self.model_dump(mode="json", include={
-            "target", "drafter", "dtype", "tree", "temperature", "top_p", "top_k", "seed", "max_new_tokens", "stop",
+            "target", "drafter", "dtype", "tree", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+            "seed", "max_new_tokens", "stop",
             "default_prompt", "media"})
 
     def sampling_for(self, row_id: object) -> SamplingParams:
         """Sampling parameters of one row. The seed depends only on (seed, id), so a retried or resumed row
         samples exactly what it would have the first time."""
         if self.temperature == 0.0:
-            return SamplingParams()
+            return SamplingParams(temperature=0.0, repetition_penalty=self.repetition_penalty)
         digest = hashlib.sha256(f"{self.seed}\x00{row_id}".encode()).digest()
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                              repetition_penalty=self.repetition_penalty,
                               seed=int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
 
 

@@ -27,8 +27,13 @@ class ChatRequest(BaseModel):
 
     model: str
     messages: list[Any] = Field(..., min_length=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # sampling: a field left out takes the checkpoint's generation config (as vLLM does); top_k, min_p and
+    # repetition_penalty are vLLM's extra sampling parameters
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, description="0 disables")
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None

@@ -14,18 +14,22 @@ from mmspec_ray.drafters.base import Drafter
 from mmspec_ray.drafters.none import NoDrafter
 from mmspec_ray.spec.accept import accept
 from mmspec_ray.spec.output import Generation, GenerationStats, OutputTracker
+from mmspec_ray.spec.processors import (HistoryProcessors, check_generation_config, effective_generation_config,
+                                        resolve_sampling)
 from mmspec_ray.spec.sampling import make_generator, pick
 from mmspec_ray.spec.tree import TreeConfig
 from mmspec_ray.targets.base import Request, VLMTarget
 
 
 class SpecEngine:
-    """Lossless tree speculative decoding, batch size 1."""
+    """Lossless tree speculative decoding, batch size 1. Decodes as the checkpoint's generation config says (HF
+    generate's defaults, penalties, stop ids), request parameters over it; refuses a config it cannot reproduce."""
 
     def __init__(self, target: VLMTarget, drafter: Drafter, tree: TreeConfig | None = None) -> None:
         self.target = target
         self.drafter = drafter
         self.tree = tree or TreeConfig()
+        check_generation_config(effective_generation_config(target.model))
 
     def generate(self, request: Request, sampling: SamplingParams | None = None, max_new_tokens: int = 128,
                  stop: tuple[str, ...] = ()) -> Generation:
@@ -43,17 +47,19 @@ class SpecEngine:
         """The decoding loop as a generator: yields the token ids each step commits (the prefill's first token,
         then each verify cycle's accepted tokens + bonus, cut where generation ends) and returns the Generation.
         Time spent by the consumer between steps is not counted in the stats. Closing it early stops decoding."""
-        sampling = sampling or SamplingParams()
         t, d = self.target, self.drafter
         t0 = time.perf_counter()
+        gc = effective_generation_config(t.model)
+        sampling = resolve_sampling(sampling or SamplingParams(), gc)
         inputs = t.encode(request)
         n_prompt = inputs["input_ids"].shape[1]
         t.check_length(n_prompt, max_new_tokens)  # as HF: the answer must fit; the tree shrinks near the end
         gen = make_generator(sampling, t.device)  # acceptance runs where the logits are
         tracker = OutputTracker(t.tokenizer, t.eos_token_ids, max_new_tokens, stop)
+        history = HistoryProcessors(gc, sampling, t.eos_token_ids, inputs["input_ids"])  # penalties etc., per node
         stats = GenerationStats(prompt_tokens=n_prompt)
         out = t.prefill(inputs, logits_to_keep=getattr(d, "prefill_logits", 1))
-        root = pick(out.logits[0, -1], sampling, gen)
+        root = pick(history.next_logits(out.logits[0, -1]), sampling, gen)
         stats.prefill_s = time.perf_counter() - t0
         done = tracker.add([root])
         tp = time.perf_counter()
@@ -72,8 +78,9 @@ class SpecEngine:
             tv = time.perf_counter()
             v = t.verify(tree.tokens, tree.ancestors, tree.depth)
             ta = time.perf_counter()
-            path, bonus = accept(tree, v.logits[0], sampling, gen)
+            path, bonus = accept(tree, history.tree_logits(v.logits[0], tree), sampling, gen)
             t.commit(path)
+            history.commit(tree.tokens[path].tolist())
             new = tree.tokens[path[1:]].tolist() + [bonus]
             stats.cycles += 1
             stats.accepted_per_cycle.append(len(path) - 1)

@@ -1,4 +1,5 @@
-"""Logit warping (temperature, top-k, top-p) and seeded sampling, shared by every decoder so they agree exactly."""
+"""Logit warping (temperature, top-k, top-p, min-p) and seeded sampling, shared by every decoder so they agree
+exactly."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from mmspec_ray.config import SamplingParams
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities over the last axis after temperature, then top-k, then top-p (HF's order).
+    """Probabilities over the last axis after temperature, then top-k, then top-p, then min-p (HF's order).
 
     Greedy (temperature 0) gives a one-hot at the argmax, so acceptance code can treat both modes alike.
     Temperature divides the logits minus their max (the same softmax), so a tiny temperature (1e-40, which
@@ -23,12 +24,15 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
+    if params.top_p is not None and params.top_p < 1.0:
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
         before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly above each token
         drop_sorted = before >= params.top_p  # keep the smallest prefix whose mass reaches top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if params.min_p:  # HF's MinPLogitsWarper: keep tokens with at least min_p x the top probability
+        probs = probs.masked_fill(probs < params.min_p * probs.max(-1, keepdim=True).values, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
 
