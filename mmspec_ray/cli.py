@@ -15,7 +15,8 @@ from pydantic import BaseModel, ValidationError
 
 log = logging.getLogger("mmspec")
 M = TypeVar("M", bound=BaseModel)
-SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed"}
+SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
+                  "repetition_penalty": "--repetition-penalty", "seed": "--seed"}
 TREE_FLAGS = {"top_k": "--tree-top-k", "depth": "--tree-depth", "total_tokens": "--tree-tokens"}
 
 
@@ -86,8 +87,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     for flag, value in (("--max-new-tokens", a.max_new_tokens), ("--num-frames", a.num_frames)):
         if value is not None and value < 1:  # checked before the (minutes-long) model load
             raise UsageError(f"{flag}: must be at least 1 (got {value})")
-    sampling = checked(SamplingParams, SAMPLING_FLAGS, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                       seed=a.seed)
+    sampling = checked(SamplingParams, SAMPLING_FLAGS, **{k: getattr(a, k) for k in SAMPLING_FLAGS})
     tree = checked(TreeConfig, TREE_FLAGS, top_k=a.tree_top_k, depth=a.tree_depth, total_tokens=a.tree_tokens)
     path = fetch_checkpoint(resolve_target(a.target))  # s3:// (S3Config.from_env) -> its local cache directory
     target = load_target(path, dtype=a.dtype)
@@ -195,9 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-frames", type=int, default=None, help="frames sampled from --video")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--temperature", type=float, default=None,
+                     help="0: greedy; default: the checkpoint's generation config (HF generate's default)")
+    gen.add_argument("--top-p", type=float, default=None, help="default: the checkpoint's generation config")
+    gen.add_argument("--top-k", type=int, default=None, help="0 disables; default: the checkpoint's (HF's: 50)")
+    gen.add_argument("--min-p", type=float, default=None)
+    gen.add_argument("--repetition-penalty", type=float, default=None,
+                     help="1 disables; default: the checkpoint's generation config")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--drafter", default=None,
                      help="none (plain AR), ngram, a drafter checkpoint directory, or eagle2 with a toy target")

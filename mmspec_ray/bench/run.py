@@ -50,7 +50,8 @@ def _hf_runner(target: VLMTarget, req: Request, max_new_tokens: int, sampling: S
     """HF `generate` on the request, encoding included in the timed call (as our engines encode inside theirs)."""
     kw = dict(max_new_tokens=max_new_tokens, do_sample=not sampling.greedy, **extra)
     if not sampling.greedy:
-        kw.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
+        kw.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)  # 0: no top-k,
+        # as ours (None would make HF take the config's top-k, 50 by default)
 
     def run() -> tuple[int, dict]:
         inputs = target.encode(req)
