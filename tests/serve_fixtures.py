@@ -32,6 +32,35 @@ def data_url(data: bytes, mime: str) -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
+def unknown_serve_keys(model: Any, data: Any, where: str = "") -> list[str]:
+    """Keys of a Serve config (a dict for `model`, e.g. ServeDeploySchema) that the schema does not define, at every
+    level, where Ray's schema would silently ignore them (`max_ongoing_request`, `autoscaling_config.max_replica`).
+    Dict-typed fields (`args`, `runtime_env`) are left to their own validators."""
+    import typing
+
+    from pydantic import BaseModel
+
+    def models(ann: Any) -> list[type]:
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            return [ann]
+        return [m for a in typing.get_args(ann) for m in models(a)]
+
+    out: list[str] = []
+    if not isinstance(data, dict):
+        return out
+    fields = {f.alias or n: f for n, f in model.model_fields.items()}
+    for key, value in data.items():
+        if key not in fields:
+            out.append(f"{where}{key}")
+            continue
+        for sub in models(fields[key].annotation)[:1]:  # Union[Dict, AutoscalingConfig]: the model's keys
+            items = value if isinstance(value, list) else [value]
+            for i, item in enumerate(items):
+                at = f"{where}{key}[{i}]." if isinstance(value, list) else f"{where}{key}."
+                out += unknown_serve_keys(sub, item, at)
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -113,19 +142,25 @@ def reference(ckpt):
     engine = SpecEngine(target, load_drafter("ngram", target))
 
     def run(messages: list[dict], max_new: int, images: list[bytes] = (), videos: list[bytes] = ()):
-        # LLaVA takes a clip as its frames: each video part is FRAMES image parts, its frames come after the images
-        msgs = []
+        # LLaVA takes a clip as its frames: each video part is FRAMES image parts, its frames where the part stands
+        msgs, pixels = [], []
+        next_image, next_video = iter(images), iter(videos)
         for m in messages:
             content = m["content"]
             if isinstance(content, str):
                 content = [{"type": "text", "text": content}]
             parts = []
             for p in content:
-                n = FRAMES if p["type"] == "video_url" else 1
-                parts += [p] if p["type"] == "text" else [{"type": "image"}] * n
+                if p["type"] == "text":
+                    parts.append(p)
+                elif p["type"] == "video_url":
+                    parts += [{"type": "image"}] * FRAMES
+                    pixels += load_video(next(next_video), num_frames=FRAMES).frames
+                else:
+                    parts.append({"type": "image"})
+                    pixels.append(load_image(next(next_image)))
             msgs.append({"role": m["role"], "content": parts})
-        frames = [f for v in videos for f in load_video(v, num_frames=FRAMES).frames]
-        request = Request(messages=msgs, images=tuple(load_image(b) for b in images) + tuple(frames))
+        request = Request(messages=msgs, images=tuple(pixels))
         return engine.generate(request, SamplingParams(), max_new)
 
     return run

@@ -93,8 +93,9 @@ def test_image_video_and_several_images(serve_app, client, reference):
         user(video(data_url(clip, "video/mp4")), text("what is happening in the video")),
         user(text("compare"), image(data_url(imgs[0], "image/png")), image(s3_uri),
              image(data_url(imgs[2], "image/png")), text("the three images")),
+        user(video(data_url(clip, "video/mp4")), text("then"), image(data_url(imgs[2], "image/png"))),  # clip first
     ]
-    media = [{"images": [imgs[0]]}, {"videos": [clip]}, {"images": imgs}]
+    media = [{"images": [imgs[0]]}, {"videos": [clip]}, {"images": imgs}, {"images": [imgs[2]], "videos": [clip]}]
     for messages, m in zip(cases, media):
         ref = reference(messages, max_new=MAX_NEW, **m)
         assert ask(client, messages).choices[0].message.content == ref.text

@@ -69,12 +69,11 @@ class Engine:
 
     def __init__(self, settings: Any, reqs: list[dict[str, Any]]) -> None:
         from mmspec_ray.batch.decoder import SpecDecoder
-        from mmspec_ray.serve.messages import frames_as_images, to_request
+        from mmspec_ray.serve.messages import to_request
 
         self.dec = SpecDecoder(settings.decode)
         self.max_tokens = reqs[0]["max_tokens"]
-        self.prepared = [frames_as_images(to_request(r["messages"], settings), self.dec.target.video_as_frames)
-                         for r in reqs]
+        self.prepared = [to_request(r["messages"], settings) for r in reqs]
 
     def run(self, i: int) -> tuple[float, Any]:
         from mmspec_ray.config import SamplingParams

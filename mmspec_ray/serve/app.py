@@ -25,7 +25,7 @@ from ray.serve import Application
 from mmspec_ray.batch.decoder import SpecDecoder
 from mmspec_ray.config import SamplingParams
 from mmspec_ray.serve.errors import APIError, target_error
-from mmspec_ray.serve.messages import frames_as_images, remote_media, to_request
+from mmspec_ray.serve.messages import remote_media, to_request
 from mmspec_ray.serve.metrics import ServeMetrics
 from mmspec_ray.serve.protocol import ChatRequest, chunk_body, completion_body, completion_id, parse_request, \
     spec_stats, sse_event, usage
@@ -161,7 +161,6 @@ class ChatServer:
             request = await asyncio.to_thread(to_request, req.messages, self.settings)
         else:  # data: URLs only: a fraction of a millisecond of decoding, not worth a thread hop
             request = to_request(req.messages, self.settings)
-        request = frames_as_images(request, self.decoder.target.video_as_frames)
         sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, seed=req.seed)
         stop = req.stop_strings()
         self.waiting += 1

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -87,18 +86,3 @@ def _part(part: Any, where: str, settings: ServeSettings, media: dict[str, list[
     where_of[media_kind].append(loc)
     return {"type": media_kind}
 
-
-def frames_as_images(request: Request, video_as_frames: bool) -> Request:
-    """For families that take a clip as its frames (LLaVA ...): each video part of the messages becomes one image
-    part per frame, so that the chat template places every frame. The processor gets images before frames, so a
-    video part may not come before an image part."""
-    if not video_as_frames or not request.videos or request.messages is None:
-        return request
-    order = [p["type"] for m in request.messages for p in m["content"] if p["type"] in ("image", "video")]
-    if "video" in order and "image" in order[order.index("video"):]:
-        raise APIError(400, "messages: this model takes a video as its frames after all images; put image_url "
-                       "parts before video_url parts", param="messages", code="unsupported_request")
-    clips = iter(request.videos)
-    messages = [dict(m, content=[q for p in m["content"] for q in (
-        [{"type": "image"}] * len(next(clips)) if p["type"] == "video" else [p])]) for m in request.messages]
-    return dataclasses.replace(request, messages=messages)
