@@ -7,6 +7,7 @@ import base64
 import binascii
 import http.client
 import ipaddress
+import logging
 import socket
 import ssl
 from typing import Literal
@@ -18,6 +19,7 @@ from mmspec_ray.media.io import read_bytes
 from mmspec_ray.serve.errors import APIError
 from mmspec_ray.serve.settings import FetchSettings
 
+log = logging.getLogger(__name__)
 MediaKind = Literal["image", "video"]
 ONLINE_S3_RETRIES = 2  # an online request waits seconds, not the batch job's half minute of backoff
 
@@ -65,9 +67,10 @@ def _s3(url: str, limit: int, where: str, s3: S3Config) -> bytes:
     except MediaError as e:
         if e.kind == "too_large":
             raise APIError(413, f"{where}: {e}", param=where, code="too_large") from e
-        if e.kind == "unavailable":
-            raise APIError(503, f"{where}: {e}", param=where, code="media_unavailable",
-                           headers={"Retry-After": "5"}) from e
+        if e.kind == "unavailable":  # the store's address and the batch job's advice stay in the server's log
+            log.warning("%s: %s", where, e)
+            raise APIError(503, f"{where}: {url} could not be read: the object store is unreachable right now; "
+                           "retry later", param=where, code="media_unavailable", headers={"Retry-After": "5"}) from e
         raise APIError(400, f"{where}: {e}", param=where, code=f"media_{e.kind}") from e
 
 
