@@ -1,7 +1,8 @@
 """The KubeRay manifests, offline: every rendered overlay validated against the KubeRay CRDs' openAPIV3Schema made
 strict (unknown fields rejected, as kubectl's strict validation does), every serveConfigV2 against Ray Serve's own
-schema and our `build_app` args, every entrypoint parsed by the job's own argument parser, and every file, image
-and secret a manifest names accounted for. The Dockerfile installs exactly as the README does."""
+schema (plus the keys it would silently ignore) and our `build_app` args, every entrypoint parsed by the job's own
+argument parser, and every file, image and secret a manifest names accounted for. The Dockerfile installs exactly
+as the README does."""
 
 from __future__ import annotations
 
@@ -102,11 +103,19 @@ def test_the_strict_schema_rejects_typos_and_wrong_types():
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_clusters_run_token_auth_our_image_and_secrets_never_inline(overlay):
+def test_clusters_run_token_auth_our_image_sized_pods_and_no_inline_secrets(overlay):
     for doc in ray_objects(overlay):
         assert cluster_spec(doc)["authOptions"] == {"mode": "token"}, doc["metadata"]["name"]
+        if doc["kind"] == "RayCluster":
+            assert cluster_spec(doc)["enableInTreeAutoscaling"] is True
+        if cluster_spec(doc).get("enableInTreeAutoscaling"):  # the autoscaler sidecar is sized too
+            res = cluster_spec(doc)["autoscalerOptions"]["resources"]
+            assert {"cpu", "memory"} <= set(res["requests"]) and {"cpu", "memory"} <= set(res["limits"])
         for c in containers(doc):
             assert re.fullmatch(r"registry\.example\.com/mmspec-ray:0\.1\.0-(cpu|cuda)", c["image"]), c["image"]
+            res = c.get("resources", {})  # requests and limits on every container
+            assert {"cpu", "memory"} <= set(res.get("requests", {})) and {"cpu", "memory"} <= set(
+                res.get("limits", {})), (doc["metadata"]["name"], c["name"])
             for env in c.get("env", []):
                 assert "value" not in env or not re.search(r"(?i)secret|token|key", env["name"]), env
             refs = [e["secretRef"]["name"] for e in c.get("envFrom", [])]
@@ -148,17 +157,23 @@ def test_entrypoints_name_real_scripts_with_flags_the_job_accepts(overlay):
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_serve_config_is_valid_for_ray_serve_and_our_builder(overlay):
     from ray.serve.schema import ServeDeploySchema
+    from serve_fixtures import unknown_serve_keys
 
+    from mmspec_ray.serve.app import DEPLOYMENT_NAME
     from mmspec_ray.serve.settings import ServeSettings
 
     services = [d for d in ray_objects(overlay) if d["kind"] == "RayService"]
     assert services
     for doc in services:
-        config = ServeDeploySchema.model_validate(yaml.safe_load(doc["spec"]["serveConfigV2"]))
+        data = yaml.safe_load(doc["spec"]["serveConfigV2"])
+        config = ServeDeploySchema.model_validate(data)
+        unknown = unknown_serve_keys(ServeDeploySchema, data)  # keys Serve's schema would silently ignore
+        assert not unknown, f"{overlay} serveConfigV2: unknown keys {unknown}"
         for app in config.applications:
             module, attr = app.import_path.split(":")
             assert callable(getattr(importlib.import_module(module), attr)), app.import_path
             settings = ServeSettings.model_validate(app.args)
+            assert [d.name for d in app.deployments] == [DEPLOYMENT_NAME], app.name
             if settings.api_key_env:  # replicas may land on any Ray pod: each needs the key, from a secret
                 for c in containers(doc):
                     assert any(e["name"] == settings.api_key_env and "secretKeyRef" in e.get("valueFrom", {})

@@ -1,5 +1,6 @@
-"""The Serve configs in deployments/: valid for Ray's config schema (plus a key check that schema lacks) and for
-`build_app`'s args; and `serve run` of the toy config, pointed at the tiny checkpoint, answers on loopback."""
+"""The Serve configs in deployments/: valid for Ray's config schema (plus a check for keys it would silently ignore,
+at every level) and for `build_app`'s args; and `serve run` of the toy config, pointed at the tiny checkpoint,
+answers on loopback."""
 
 from __future__ import annotations
 
@@ -17,11 +18,11 @@ import pytest
 import yaml
 
 pytest.importorskip("ray")
-from ray.serve.schema import DeploymentSchema, ServeDeploySchema  # noqa: E402
+from ray.serve.schema import ServeDeploySchema  # noqa: E402
 
 from mmspec_ray.serve.app import DEPLOYMENT_NAME  # noqa: E402
 from mmspec_ray.serve.settings import ServeSettings  # noqa: E402
-from serve_fixtures import free_port  # noqa: E402
+from serve_fixtures import free_port, unknown_serve_keys  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "deployments").glob("*.yaml"))
@@ -31,13 +32,12 @@ CONFIGS = sorted((ROOT / "deployments").glob("*.yaml"))
 def test_config_is_valid(path):
     data = yaml.safe_load(path.read_text())
     config = ServeDeploySchema.model_validate(data)
+    assert not unknown_serve_keys(ServeDeploySchema, data)  # the schema ignores typos at every level: catch them
     for app in data["applications"]:
         assert app["import_path"] == "mmspec_ray.serve.app:build_app"
         ServeSettings.model_validate(app["args"])
         for dep in app["deployments"]:
             assert dep["name"] == DEPLOYMENT_NAME
-            unknown = set(dep) - set(DeploymentSchema.model_fields)  # the schema ignores typos: catch them here
-            assert not unknown, unknown
     assert config.applications
 
 
