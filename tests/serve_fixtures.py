@@ -141,7 +141,8 @@ def reference(ckpt):
     target = load_target(ckpt)
     engine = SpecEngine(target, load_drafter("ngram", target))
 
-    def run(messages: list[dict], max_new: int, images: list[bytes] = (), videos: list[bytes] = ()):
+    def run(messages: list[dict], max_new: int, images: list[bytes] = (), videos: list[bytes] = (),
+            sampling: SamplingParams | None = None):
         # LLaVA takes a clip as its frames: each video part is FRAMES image parts, its frames where the part stands
         msgs, pixels = [], []
         next_image, next_video = iter(images), iter(videos)
@@ -161,7 +162,7 @@ def reference(ckpt):
                     pixels.append(load_image(next(next_image)))
             msgs.append({"role": m["role"], "content": parts})
         request = Request(messages=msgs, images=tuple(pixels))
-        return engine.generate(request, SamplingParams(), max_new)
+        return engine.generate(request, sampling or SamplingParams(), max_new)
 
     return run
 

@@ -102,6 +102,19 @@ def test_image_video_and_several_images(serve_app, client, reference):
         assert streamed(client, messages)[0] == ref.text
 
 
+def test_vllm_sampling_extras_reach_the_engine(client, reference):
+    """top_k, min_p and repetition_penalty (vLLM's extra parameters) are applied as the engine applies them; a
+    strong penalty changes the greedy answer, so the test fails if the field is dropped."""
+    from mmspec_ray.config import SamplingParams
+
+    messages = user(text("describe the image objects"))
+    extra = {"repetition_penalty": 1.8, "top_k": 3, "min_p": 0.05}
+    got = ask(client, messages, max_tokens=24, extra_body=extra).choices[0].message.content
+    want = reference(messages, max_new=24, sampling=SamplingParams(temperature=0.0, **extra))
+    assert got == want.text
+    assert want.text != reference(messages, max_new=24).text
+
+
 def test_multi_turn_system_stop_and_seed(client, reference):
     messages = [{"role": "system", "content": "answer briefly"}, {"role": "user", "content": "red circle"},
                 {"role": "assistant", "content": "a red circle"}, {"role": "user", "content": "and the square"}]

@@ -161,7 +161,8 @@ class ChatServer:
             request = await asyncio.to_thread(to_request, req.messages, self.settings)
         else:  # data: URLs only: a fraction of a millisecond of decoding, not worth a thread hop
             request = to_request(req.messages, self.settings)
-        sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, seed=req.seed)
+        sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                                  repetition_penalty=req.repetition_penalty, seed=req.seed)
         stop = req.stop_strings()
         self.waiting += 1
         self.metrics.depth(self.waiting, int(self.slot.locked()))
