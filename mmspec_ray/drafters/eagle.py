@@ -60,12 +60,19 @@ class Eagle2Head(nn.Module):
         self.layer = DecoderLayer(d, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.rope_theta,
                                   cfg.rms_eps, input_norm=False)
 
+    config_class: type[Eagle2Config] = Eagle2Config
+
     def forward(self, embeds: torch.Tensor, feats: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
-                kv: tuple[torch.Tensor, torch.Tensor] | None = None, at: int = 0) -> torch.Tensor:
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None, at: int = 0,
+                visual: torch.Tensor | None = None) -> torch.Tensor:
         """embeds, feats [B, T, d]; pos [B, T]; mask [B, 1, T, at+T] bool -> predicted features [B, T, d]
-        (`kv`/`at`: see DecoderLayer.forward)."""
-        x = self.fc(torch.cat([embeds, feats], dim=-1))
-        return self.layer(x, pos, mask, kv, at)
+        (`kv`/`at`: see DecoderLayer.forward). `visual` [B, T] bool (entry j's next token is a media token) is
+        ignored here: EAGLE-2 fuses every entry; methods that treat media entries apart (MSD) override `inputs`."""
+        return self.layer(self.inputs(embeds, feats, visual), pos, mask, kv, at)
+
+    def inputs(self, embeds: torch.Tensor, feats: torch.Tensor, visual: torch.Tensor | None) -> torch.Tensor:
+        """The decoder layer's input [B, T, d]: fc([embedding; feature]) at every entry."""
+        return self.fc(torch.cat([embeds, feats], dim=-1))
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -77,7 +84,7 @@ class Eagle2Head(nn.Module):
     @classmethod
     def load(cls, path: str | Path) -> "Eagle2Head":
         path = Path(path)
-        cfg = Eagle2Config(**json.loads((path / "config.json").read_text()))
+        cfg = cls.config_class(**json.loads((path / "config.json").read_text()))
         head = cls(cfg)
         weights = path / "model.safetensors"
         if not weights.exists():
@@ -99,6 +106,8 @@ def check_fits(cfg: Eagle2Config, target: "VLMTarget") -> None:
 class Eagle2Drafter:
     """Per-request EAGLE-2 drafting state around a (frozen) head, bound to one target."""
 
+    head_class: type[Eagle2Head] = Eagle2Head
+
     def __init__(self, head: Eagle2Head, target: "VLMTarget") -> None:
         check_fits(head.cfg, target)
         self.head = head.to(device=target.device, dtype=target.dtype).eval()
@@ -111,8 +120,8 @@ class Eagle2Drafter:
     def load(cls, path: str | Path, target: "VLMTarget", device: str | None = None) -> "Eagle2Drafter":
         """Check the saved config against `target` (and `device` against the target's) before reading weights."""
         check_device(device, target)
-        check_fits(Eagle2Config(**json.loads((Path(path) / "config.json").read_text())), target)
-        return cls(Eagle2Head.load(path), target)
+        check_fits(cls.head_class.config_class(**json.loads((Path(path) / "config.json").read_text())), target)
+        return cls(cls.head_class.load(path), target)
 
     @classmethod
     def random(cls, target: "VLMTarget", seed: int = 0, std: float = 0.02) -> "Eagle2Drafter":
@@ -120,7 +129,7 @@ class Eagle2Drafter:
         is drawn from `seed` alone (norm scales stay 1), so the same seed gives the same drafter whatever the
         global RNG holds."""
         g = torch.Generator().manual_seed(seed)
-        head = Eagle2Head(Eagle2Config.for_target(target))
+        head = cls.head_class(cls.head_class.config_class.for_target(target))
         with torch.no_grad():
             for name, p in head.named_parameters():
                 if p.dim() > 1 or name.endswith("bias"):
@@ -134,7 +143,9 @@ class Eagle2Drafter:
         embeds = prefill.inputs_embeds[0]
         feats = prefill.hidden[0]
         nxt = torch.cat([embeds[1:], self._embed([root])], 0)  # entry j: token j+1 with feature j
-        self._extend(nxt, feats)
+        media = prefill.media_mask
+        visual = None if media is None else torch.cat([media[0, 1:], media.new_zeros(1)])  # token j+1 is media
+        self._extend(nxt, feats, visual)
 
     @torch.inference_mode()
     def observe(self, tokens: list[int], hidden: torch.Tensor, bonus: int) -> None:
@@ -191,14 +202,16 @@ class Eagle2Drafter:
                 dst[:, :, :self.ctx_len] = src[:, :, :self.ctx_len]
         self.kv = new
 
-    def _extend(self, embeds: torch.Tensor, feats: torch.Tensor) -> None:
-        """Run new context entries (embeds, feats [T, d]) causally after the existing context; keep their KV."""
+    def _extend(self, embeds: torch.Tensor, feats: torch.Tensor, visual: torch.Tensor | None = None) -> None:
+        """Run new context entries (embeds, feats [T, d]; visual [T] bool: the entry's next token is a media
+        token) causally after the existing context; keep their KV."""
         S, T = self.ctx_len, embeds.shape[0]
         dev = self.target.device
         self._reserve(S + T)
         mask = torch.ones((T, S + T), dtype=torch.bool, device=dev)
         mask[:, S:] = torch.ones((T, T), dtype=torch.bool, device=dev).tril()
         pos = torch.arange(S, S + T, device=dev)[None]
-        out = self.head(embeds[None], feats[None], pos, mask[None, None], self.kv, S)
+        out = self.head(embeds[None], feats[None], pos, mask[None, None], self.kv, S,
+                        None if visual is None else visual[None].to(dev))
         self.ctx_len = S + T
         self.last = out[0, -1:]

@@ -43,6 +43,7 @@ class FeatureExample:
     hidden: torch.Tensor  # [L, d] last post-norm hidden state (what lm_head consumes)
     embeds: torch.Tensor  # [L, d] input embeddings with media features merged
     n_prompt: int  # leading prompt positions (no loss on predicting them)
+    media: torch.Tensor | None = None  # [L] bool: image/video token positions (None: features stored before it was)
 
 
 def extend_inputs(inputs: dict, extra: list[int]) -> dict:
@@ -71,7 +72,7 @@ def answer_and_featurize(target: VLMTarget, request: Request, recipe: DatagenRec
     out = target.prefill(extend_inputs(inputs, gen.token_ids))
     dt = getattr(torch, recipe.dtype)
     return FeatureExample(out.input_ids[0].cpu(), out.hidden[0].to(dt).cpu(), out.inputs_embeds[0].to(dt).cpu(),
-                          n_prompt)
+                          n_prompt, out.media_mask[0].cpu())
 
 
 def generate_features(target: VLMTarget, requests: Iterable[Request], recipe: DatagenRecipe, out_dir: str | Path,
@@ -112,6 +113,8 @@ def _write_shard(path: Path, examples: list[FeatureExample]) -> None:
         tensors[f"{j}.hidden"] = ex.hidden.contiguous()
         tensors[f"{j}.embeds"] = ex.embeds.contiguous()
         tensors[f"{j}.n_prompt"] = torch.tensor([ex.n_prompt])
+        if ex.media is not None:
+            tensors[f"{j}.media"] = ex.media.to(torch.uint8)
     tmp = path.with_suffix(".partial")
     save_file(tensors, str(tmp))
     tmp.rename(path)
@@ -126,5 +129,6 @@ def load_features(out_dir: str | Path) -> list[FeatureExample]:
         t = load_file(str(out / name))
         n = len({k.split(".")[0] for k in t})
         examples += [FeatureExample(t[f"{j}.input_ids"], t[f"{j}.hidden"], t[f"{j}.embeds"],
-                                    int(t[f"{j}.n_prompt"][0])) for j in range(n)]
+                                    int(t[f"{j}.n_prompt"][0]),
+                                    t[f"{j}.media"].bool() if f"{j}.media" in t else None) for j in range(n)]
     return examples

@@ -1,0 +1,54 @@
+"""Training stages as a per-epoch data mixture: stage 1 trains on text-only examples, stage 2 on multimodal ones,
+entered gradually (MSD's two-stage schedule) or at once. A single-stage run is all multimodal (EAGLE-2 today).
+
+MSD's rule (spec §3.2, from the authors' code): E epochs in all, stage 1 = epochs 1..E1 (text only), then the
+share of multimodal examples rises linearly, r_e = (e - E1) / (E - E1) for e = E1+1 .. E (1-indexed), so the last
+epoch is all multimodal. Each epoch of a mixed run has min(N_text, N_multimodal) items, each drawn from the
+multimodal pool with probability r_e (independently), from the text pool otherwise.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from pydantic import BaseModel, Field, model_validator
+
+
+class StageSchedule(BaseModel):
+    """Which pool each epoch's items come from. `text_epochs` = 0: one stage, every item multimodal."""
+
+    epochs: int = Field(ge=1)
+    text_epochs: int = Field(0, ge=0)
+    gradual: bool = True  # stage 2 ramps the multimodal share up linearly (False: 100 % from its first epoch)
+
+    @model_validator(mode="after")
+    def _stage2_exists(self) -> "StageSchedule":
+        if self.text_epochs >= self.epochs:
+            raise ValueError(f"text_epochs ({self.text_epochs}) must be below epochs ({self.epochs}): stage 2 "
+                             "(multimodal data) needs at least one epoch")
+        return self
+
+    def ratio(self, epoch: int) -> float:
+        """Share of multimodal items in `epoch` (1-indexed)."""
+        if not 1 <= epoch <= self.epochs:
+            raise ValueError(f"epoch {epoch} is outside 1..{self.epochs}")
+        if epoch <= self.text_epochs:
+            return 0.0
+        if not self.gradual:
+            return 1.0
+        return (epoch - self.text_epochs) / (self.epochs - self.text_epochs)
+
+    def items(self, epoch: int, n_multimodal: int, n_text: int, rng: np.random.Generator) -> list[tuple[bool, int]]:
+        """The epoch's items in training order: (from the multimodal pool?, index in that pool)."""
+        if self.text_epochs == 0:
+            return [(True, int(i)) for i in rng.permutation(n_multimodal)]
+        if n_text == 0 or n_multimodal == 0:
+            raise ValueError(f"a two-stage schedule needs text and multimodal examples (got {n_text} text, "
+                             f"{n_multimodal} multimodal); generate a text-only corpus or set text_epochs=0")
+        n = min(n_multimodal, n_text)
+        r = self.ratio(epoch)
+        pm, pt = rng.permutation(n_multimodal)[:n], rng.permutation(n_text)[:n]
+        pick = rng.random(n) < r
+        return [(True, int(pm[i])) if pick[i] else (False, int(pt[i])) for i in range(n)]
+
+    def items_per_epoch(self, n_multimodal: int, n_text: int) -> int:
+        return n_multimodal if self.text_epochs == 0 else min(n_multimodal, n_text)
