@@ -18,6 +18,7 @@ M = TypeVar("M", bound=BaseModel)
 SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
                   "repetition_penalty": "--repetition-penalty", "seed": "--seed"}
 TREE_FLAGS = {"top_k": "--tree-top-k", "depth": "--tree-depth", "total_tokens": "--tree-tokens"}
+TRAINED_METHODS = ("eagle2", "msd")  # methods `train-drafter` trains (mmspec_ray.training.methods.METHODS)
 
 
 class UsageError(Exception):
@@ -64,7 +65,7 @@ def resolve_drafter(drafter: str | None, target: str) -> str | None:
     (e.g. `--target toy-s --drafter eagle2`: the toy world's drafter, trained on first use)."""
     from mmspec_ray.toy.model import TOY_SIZES
 
-    if drafter in ("eagle2",) and target in TOY_SIZES:
+    if drafter in TRAINED_METHODS and target in TOY_SIZES:
         from mmspec_ray.toy.drafter import build_toy_drafter
 
         return str(build_toy_drafter(target, drafter))
@@ -111,17 +112,24 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
         from mmspec_ray.toy.build import build_toy
 
         if a.out is None:
+            if a.examples or a.epochs or a.text_examples or a.text_epochs is not None or a.direct:
+                raise UsageError("--examples, --epochs, --text-examples, --text-epochs and --direct change the "
+                                 "recipe: give --out too (the cached toy drafter keeps the default recipe)")
             print(build_toy_drafter(a.target, a.method, force=a.force))
             return 0
         recipe = RECIPES[a.target]
         if a.examples:
             recipe = recipe.model_copy(update={"examples": a.examples})
-        if a.epochs:
-            recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"epochs": a.epochs})})
+        if a.text_examples:
+            recipe = recipe.model_copy(update={"text_examples": a.text_examples})
+        train = {k: v for k, v in (("epochs", a.epochs), ("text_epochs", a.text_epochs)) if v is not None}
+        if a.direct:
+            train["gradual"] = False
+        recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update=train)})
         print(train_drafter_on_world(build_toy(a.target), Path(a.out), a.method, recipe, resume=not a.force))
         return 0
     raise SystemExit("train-drafter on a non-toy target needs a prompt data set; for now train on a toy world "
-                     "(--target toy-s) or call mmspec_ray.training.generate_features / train_eagle2 from Python")
+                     "(--target toy-s) or call mmspec_ray.training.generate_features / train_drafter from Python")
 
 
 def _assistant(spec: str, target: str):
@@ -150,6 +158,18 @@ def bench_config(a: argparse.Namespace):
                    temperatures=tuple(a.temperatures), seed=a.seed, tree=tree)
 
 
+def bench_drafters(spec: str) -> dict[str, str]:
+    """`--drafter eagle2,msd,msd-1stage=/path/to/ckpt` -> {label: method name or checkpoint dir}, in order."""
+    out: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in (spec or "").split(","))):
+        label, _, path = part.partition("=")
+        label, path = (label, path) if path else (Path(part).name if "/" in part else part, part)
+        if label in out or label in ("ar", "hf_generate", "hf_prompt_lookup", "hf_assisted", "ngram", "oracle"):
+            raise UsageError(f"--drafter: the label {label!r} is taken; name it as LABEL=PATH")
+        out[label] = path
+    return out
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
     from mmspec_ray.bench.run import run_bench, write_results
     from mmspec_ray.targets import load_target
@@ -158,11 +178,11 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
     world = build_toy(a.target)
     target = load_target(world.target, dtype=a.dtype)
-    drafter = resolve_drafter(a.drafter, a.target) if a.drafter else None
+    drafters = {label: resolve_drafter(spec, a.target) for label, spec in bench_drafters(a.drafter).items()}
     cfg = bench_config(a)
     tasks = tuple(a.tasks.split(",")) if a.tasks else None
     requests = list(toy_requests(world, "test", a.prompts, seed=a.seed, tasks=tasks))
-    res = run_bench(target, requests, drafter, cfg, assistant=_assistant(a.assistant, a.target))
+    res = run_bench(target, requests, drafters, cfg, assistant=_assistant(a.assistant, a.target))
     res["command"] = "mmspec " + " ".join(sys.argv[1:])
     out = write_results(res, a.out, f"{a.target}: {len(requests)} held-out prompts, max_new_tokens {a.max_new_tokens}")
     print((out / "bench.md").read_text())
@@ -204,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="1 disables; default: the checkpoint's generation config")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--drafter", default=None,
-                     help="none (plain AR), ngram, a drafter checkpoint directory, or eagle2 with a toy target")
+                     help="none (plain AR), ngram, a drafter checkpoint directory, or eagle2 / msd with a toy target")
     gen.add_argument("--tree-top-k", type=int, default=8)
     gen.add_argument("--tree-depth", type=int, default=5)
     gen.add_argument("--tree-tokens", type=int, default=48, help="draft tree size including the root")
@@ -215,17 +235,25 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(fn=cmd_generate)
 
     td = sub.add_parser("train-drafter", help="generate target-answered features and train a drafter")
-    td.add_argument("--method", default="eagle2", choices=["eagle2"])
+    td.add_argument("--method", default="eagle2", choices=list(TRAINED_METHODS))
     td.add_argument("--target", default="toy-s", help="toy-s / toy-m")
     td.add_argument("--out", default=None, help="checkpoint directory (default: the toy world's drafters/METHOD)")
     td.add_argument("--examples", type=int, default=None, help="training prompts the target answers")
     td.add_argument("--epochs", type=int, default=None)
+    td.add_argument("--text-examples", type=int, default=None,
+                    help="text-only training prompts for stage 1 (default: as many as --examples)")
+    td.add_argument("--text-epochs", type=int, default=None,
+                    help="stage-1 (text-only) epochs; default: the method's (msd: half the epochs, eagle2: 0)")
+    td.add_argument("--direct", action="store_true",
+                    help="stage 2 all multimodal from its first epoch (default: MSD's gradual text->multimodal ramp)")
     td.add_argument("--force", action="store_true", help="start over instead of resuming")
     td.set_defaults(fn=cmd_train_drafter)
 
     be = sub.add_parser("bench", help="AR vs drafters vs HF peers on held-out toy prompts (JSON + markdown)")
     be.add_argument("--target", default="toy-s", choices=["toy-s", "toy-m"])
-    be.add_argument("--drafter", default="eagle2", help="eagle2 (the toy world's), a checkpoint dir, or ''")
+    be.add_argument("--drafter", default="eagle2",
+                    help="comma list, run interleaved in one bench: eagle2 / msd (the toy world's), checkpoint dirs "
+                         "or LABEL=DIR; '' for none")
     be.add_argument("--assistant", default="auto",
                     help="small model for the HF assisted-generation peer: a checkpoint dir, '' for none, or auto "
                          "(toy-m: toy-s, the model it was grown from)")

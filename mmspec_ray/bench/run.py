@@ -74,9 +74,13 @@ def _engine_runner(engine: SpecEngine, req: Request, max_new_tokens: int,
     return run
 
 
-def run_bench(target: VLMTarget, requests: list[Request], drafter_path: str | None, cfg: BenchConfig,
+def run_bench(target: VLMTarget, requests: list[Request], drafters: dict[str, str] | str | None, cfg: BenchConfig,
               assistant=None) -> dict:
-    """Measure every method on every request; returns the raw records and per-method summaries."""
+    """Measure every method on every request; returns the raw records and per-method summaries. `drafters`:
+    {label: checkpoint dir} (a bare path is labelled eagle2, as before), all run interleaved per prompt."""
+    if isinstance(drafters, str):
+        drafters = {"eagle2": drafters}
+    loaded = {label: load_drafter(path, target) for label, path in (drafters or {}).items()}
     results: dict = {"config": cfg.model_dump(), "machine": platform.processor() or platform.machine(),
                      "torch_threads": torch.get_num_threads(), "dtype": str(target.dtype).removeprefix("torch."),
                      "runs": []}
@@ -98,9 +102,9 @@ def run_bench(target: VLMTarget, requests: list[Request], drafter_path: str | No
             if assistant is not None:
                 methods["hf_assisted"] = _hf_runner(target, req, cfg.max_new_tokens, sampling,
                                                     assistant_model=assistant)
-            if drafter_path:
-                methods["eagle2"] = _engine_runner(SpecEngine(target, load_drafter(drafter_path, target), cfg.tree),
-                                                   req, cfg.max_new_tokens, sampling)
+            for label, drafter in loaded.items():
+                methods[label] = _engine_runner(SpecEngine(target, drafter, cfg.tree), req, cfg.max_new_tokens,
+                                                sampling)
             if temp == 0.0:
                 methods["oracle"] = _engine_runner(SpecEngine(target, OracleDrafter(ref.token_ids), cfg.tree), req,
                                                    cfg.max_new_tokens, sampling)

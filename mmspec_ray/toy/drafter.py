@@ -1,5 +1,8 @@
 """Drafters for the toy world, trained by the same datagen + trainer users run on real targets; cached under the
-toy world (`<world>/drafters/<method>`), rebuilt only when missing or forced."""
+toy world (`<world>/drafters/<method>`), rebuilt only when missing or forced.
+
+The target-answered features live beside the drafters (`<world>/drafter-data/...`), named by what made them, so
+every method trained on a world with the same recipe trains on the same examples (and they are generated once)."""
 
 from __future__ import annotations
 
@@ -11,9 +14,10 @@ from pydantic import BaseModel
 
 from mmspec_ray.targets.registry import load_target
 from mmspec_ray.toy.build import ToyWorld, build_toy
-from mmspec_ray.toy.prompts import toy_requests
+from mmspec_ray.toy.prompts import toy_requests, toy_text_requests
 from mmspec_ray.training.datagen import DatagenRecipe, generate_features, load_features
-from mmspec_ray.training.trainer import TrainConfig, train_eagle2
+from mmspec_ray.training.methods import training_method
+from mmspec_ray.training.trainer import TrainConfig, stage_schedule, train_drafter
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +26,7 @@ class ToyDrafterRecipe(BaseModel):
     """How much target-answered data and training a toy drafter gets (per toy size)."""
 
     examples: int = 1200
+    text_examples: int | None = None  # text-only prompts for a two-stage method's stage 1 (None: `examples`)
     heldout: int = 12
     max_new_tokens: int = 200
     train: TrainConfig = TrainConfig(epochs=8, batch_size=16, lr=2e-3)
@@ -35,17 +40,28 @@ def drafter_dir(world: ToyWorld, method: str) -> Path:
     return world.root / "drafters" / method
 
 
+def toy_features(world: ToyWorld, target, recipe: ToyDrafterRecipe, text: bool = False) -> Path:
+    """The world's target-answered features: multimodal train prompts, or the text-only corpus (`text`)."""
+    n = (recipe.text_examples or recipe.examples) if text else recipe.examples
+    kind = "text" if text else "multimodal"
+    out = world.root / "drafter-data" / f"{kind}-n{n}-t{recipe.max_new_tokens}"
+    if (out / "index.json").exists():
+        return out
+    reqs = toy_text_requests(world, "train", n, seed=1) if text else toy_requests(world, "train", n, seed=1)
+    return generate_features(target, reqs, DatagenRecipe(max_new_tokens=recipe.max_new_tokens), out, total=n)
+
+
 def train_drafter_on_world(world: ToyWorld, out: Path, method: str, recipe: ToyDrafterRecipe,
                            resume: bool = True) -> Path:
-    """Datagen on the world's train split (the target answers), then training with held-out τ on validation."""
-    if method != "eagle2":
-        raise ValueError(f"training for drafter method {method!r} is not implemented yet; available: eagle2")
+    """Datagen on the world's train split (the target answers; the text-only corpus too when the method's
+    schedule has a text stage), then training with held-out τ on validation."""
+    m = training_method(method)
     target = load_target(world.target)
-    feats = generate_features(target, toy_requests(world, "train", recipe.examples, seed=1),
-                              DatagenRecipe(max_new_tokens=recipe.max_new_tokens), out / "features",
-                              total=recipe.examples)
+    mm = load_features(toy_features(world, target, recipe))
+    text = (load_features(toy_features(world, target, recipe, text=True))
+            if stage_schedule(m, recipe.train).text_epochs else [])
     heldout = list(toy_requests(world, "validation", recipe.heldout, seed=2))
-    train_eagle2(target, load_features(feats), out, recipe.train, heldout=heldout, resume=resume)
+    train_drafter(m, target, mm, out, recipe.train, heldout=heldout, resume=resume, text_examples=text)
     return out
 
 

@@ -38,3 +38,28 @@ def toy_requests(world: ToyWorld, split: str, limit: int | None = None, seed: in
                  tasks: tuple[str, ...] | None = None) -> Iterator[Request]:
     for row in toy_rows(world, split, limit, seed, tasks):
         yield row_request(world, row)
+
+
+DESCRIPTION_TASKS = ("detail", "video_detail")
+
+
+def toy_text_rows(world: ToyWorld, split: str, limit: int | None = None, seed: int = 0) -> list[dict]:
+    """A text-only corpus (MSD's stage 1): each scene's or clip's detailed description written into the prompt,
+    followed by one of that media item's other prompts, so the question is answerable from the text alone.
+    Rows: id, prompt, answer (the reference answer; drafter datagen lets the target answer instead)."""
+    rows = pq.read_table(world.examples(split)).to_pylist()
+    desc = {r["media_path"]: r["answer"] for r in rows if r["task"] in DESCRIPTION_TASKS}
+    noun = {"image": "picture", "video": "video"}
+    out = [{"id": f"text-{r['id']}", "answer": r["answer"],
+            "prompt": f"Here is a description of a {noun.get(r['media_type'], 'picture')}: "
+                      f"{desc[r['media_path']]} {r['prompt']}"}
+           for r in rows if r["task"] not in DESCRIPTION_TASKS and r["media_path"] in desc]
+    order = np.random.default_rng(seed).permutation(len(out))
+    out = [out[i] for i in order]
+    return out[:limit] if limit is not None else out
+
+
+def toy_text_requests(world: ToyWorld, split: str, limit: int | None = None, seed: int = 0) -> Iterator[Request]:
+    """Text-only requests (no media) of `toy_text_rows`."""
+    for row in toy_text_rows(world, split, limit, seed):
+        yield Request(prompt=row["prompt"])
