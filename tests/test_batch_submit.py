@@ -1,11 +1,16 @@
 """`ray job submit --working-dir . -- python jobs/instruct.py ...` against a local `ray start --head` (through
-jobs/local_cluster.sh, which starts the head in its own temp dir and stops only that head)."""
+jobs/local_cluster.sh, which starts the head in its own temp dir and stops only that head).
+
+Other Ray instances may run on the same host (tests beside this one): the head gets free ports of its own, its
+dashboard agent's included (the script's default), and a run past the time limit is stopped through the script's
+own exit trap, so that no head is left behind holding ports."""
 
 from __future__ import annotations
 
 import io
 import os
 import shutil
+import signal
 import socket
 import subprocess
 from pathlib import Path
@@ -42,15 +47,26 @@ def test_ray_job_submit_on_local_head(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet")
     out = tmp_path / "out"
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), "RAY_NUM_CPUS": "2",
-           "RAY_PORT": str(free_port()), "RAY_DASHBOARD_PORT": str(free_port())}
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run(
-        ["bash", "jobs/local_cluster.sh", "python", "jobs/instruct.py", "--input", str(tmp_path / "in.parquet"),
-         "--output", str(out), "--target", str(ckpt), "--max-new-tokens", "6", "--num-actors", "1",
-         "--no-progress-bars"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "succeeded" in proc.stdout + proc.stderr
+           "RAY_PORT": str(free_port()), "RAY_DASHBOARD_PORT": str(free_port()), "RAY_CLIENT_PORT": str(free_port())}
+    for name in ("RAY_ADDRESS", "RAY_DASHBOARD_AGENT_PORT"):
+        env.pop(name, None)
+    cmd = ["bash", "jobs/local_cluster.sh", "python", "jobs/instruct.py", "--input", str(tmp_path / "in.parquet"),
+           "--output", str(out), "--target", str(ckpt), "--max-new-tokens", "6", "--num-actors", "1",
+           "--no-progress-bars"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)  # the whole group: the script's EXIT trap then stops its head
+        try:
+            stdout, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+        pytest.fail("the submitted job did not finish in 600 s:\n" + stdout[-3000:] + stderr[-3000:])
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert "succeeded" in stdout + stderr
     t = pads.dataset(str(out), format="parquet").to_table()
     assert sorted(t.column("id").to_pylist()) == ["bad", "r0", "r1", "r2"]
     kinds = dict(zip(t.column("id").to_pylist(), t.column("error_kind").to_pylist()))
