@@ -150,6 +150,19 @@ def test_a_typed_image_placeholder_is_an_invalid_row_naming_the_field(decoder):
     assert out["error"].startswith("prompt contains the image placeholder token '<image>'; remove it"), out
 
 
+def test_messages_with_plain_string_content_and_an_image_column_decode_like_a_prompt(decoder):
+    """The most common OpenAI shape (content a plain string, the image in its own column) failed with the
+    processor's ValueError, filed as internal; `[{"foo": 1}]` failed in the chat template, also internal."""
+    img = png(random_images(1, seed=4)[0])
+    want = decoder.decode({"id": "p", "prompt": "describe the image", "image": img})
+    for messages in ([{"role": "user", "content": "describe the image"}],
+                     json.dumps([{"role": "user", "content": "describe the image"}])):
+        got = decoder.decode({"id": "m", "messages": messages, "image": img})
+        assert got["error"] is None and got["output_token_ids"] == want["output_token_ids"], got
+    bad = decoder.decode({"id": "f", "messages": [{"foo": 1}], "image": img})
+    assert bad["error_kind"] == "invalid" and bad["error"].startswith("messages[0].role: "), bad
+
+
 def test_call_on_raw_and_prepared_blocks(decoder, cfg):
     img = png(random_images(1, seed=9)[0])
     block = pa.Table.from_pylist([

@@ -195,8 +195,59 @@ def test_malformed_input_files_are_named(tmp_path):
         scan_input(loc(s))
     csv = tmp_path / "ann.csv"
     csv.write_text("label,youtube_id,time_start,time_end,split\nx,abc,notanumber,10,val\n")
-    with pytest.raises(JobInputError, match=r"ann\.csv: .*time_start|ann\.csv: .*notanumber"):
+    with pytest.raises(JobInputError, match=r"ann\.csv: column 'time_start', row 1 .*'notanumber'"):
         kinetics_rows(str(csv), str(tmp_path), "p", LOCAL)
+    csv.write_text("label,youtube_id,time_start,time_end,split\nx,abc,5,,val\n")  # was a null, then a TypeError
+    with pytest.raises(JobInputError, match=r"ann\.csv: column 'time_end', row 1 .*''"):
+        kinetics_rows(str(csv), str(tmp_path), "p", LOCAL)
+
+
+def _malformed(tmp_path) -> dict:
+    """name -> (job, flags, what the one error line must name), each input wrong in one way."""
+
+    def write(rows: list[dict], name: str, **cols) -> str:
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({**{k: [r[k] for r in rows] for k in rows[0]}, **cols}), path)
+        return str(path)
+
+    ok = [{"id": "a", "prompt": "p", "image_uri": "x.png"}]
+    write(ok, "types/0.parquet")
+    write([{"id": "b", "prompt": 3, "image_uri": "y.png"}], "types/1.parquet")
+    write(ok, "garbage/0.parquet")
+    (tmp_path / "garbage" / "1.parquet").write_bytes(b"PAR1 not parquet at all PAR1")
+    write(ok, "dups/0.parquet")
+    write([{"id": "c", "prompt": "q", "image_uri": "z.png"}, {"id": "a", "prompt": "r", "image_uri": "w.png"}],
+          "dups/1.parquet")
+    csv = tmp_path / "ann.csv"
+    csv.write_text("label,youtube_id,time_start,time_end,split\nx,abc,notanumber,10,val\n")
+    return {
+        "types disagree": ("instruct", ["--input", str(tmp_path / "types")], ["types/1.parquet", "'prompt'"]),
+        "garbage parquet": ("instruct", ["--input", str(tmp_path / "garbage")], ["garbage/1.parquet"]),
+        "struct id": ("instruct", ["--input", write([{"prompt": "p", "image_uri": "x"}], "struct.parquet",
+                                                    id=[{"k": 1}])], ["struct.parquet", "'id'"]),
+        "no id": ("instruct", ["--input", write([{"prompt": "p", "image_uri": "x"}], "noid.parquet")],
+                  ["noid.parquet", "`id`"]),
+        "duplicate ids": ("instruct", ["--input", str(tmp_path / "dups")],
+                          ["dups", "'id'", "duplicated", "dups/0.parquet", "dups/1.parquet"]),
+        "no media column": ("instruct", ["--input", write([{"id": "a", "prompt": "p"}], "nomedia.parquet")],
+                            ["nomedia.parquet", "image / image_uri"]),
+        "bad csv value": ("caption_kinetics", ["--input", str(csv), "--clip-root", str(tmp_path)],
+                          ["ann.csv", "'time_start'", "notanumber"]),
+    }
+
+
+@pytest.mark.parametrize("case", ["types disagree", "garbage parquet", "struct id", "no id", "duplicate ids",
+                                  "no media column", "bad csv value"])
+def test_each_malformed_input_fails_up_front_in_one_line(tmp_path, capsys, ckpt, case):
+    """Through the job CLI: exit code 2, one line naming the file and the column, no traceback, nothing written."""
+    job, flags, named = _malformed(tmp_path)[case]
+    out = tmp_path / "out"
+    rc = job_main(flags + ["--output", str(out), "--target", ckpt], job)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert all(n in err for n in named), err
+    assert not out.exists()
 
 
 def test_job_cli_prints_one_line_and_exits_2(tmp_path, capsys, ckpt):

@@ -27,9 +27,9 @@ def kinetics_rows(csv_uri: str, clip_root: str, prompt: str, s3: S3Config | None
     """One row per annotation: the CSV's columns plus `id` (the clip's file stem), `video_uri` and `prompt`."""
     s3 = s3 or S3Config.from_env()
     loc = locate(csv_uri, s3)
-    opts = pacsv.ConvertOptions(column_types={"youtube_id": pa.string(), "label": pa.string(),
-                                              "split": pa.string(), "time_start": pa.int64(),
-                                              "time_end": pa.int64()})
+    # Read as text, then convert the time columns one by one: a bad value is reported by column name and row
+    # (pyarrow's own conversion error gives only the column's index), and an empty one is an error, not a null.
+    opts = pacsv.ConvertOptions(column_types={c: pa.string() for c in KINETICS_COLUMNS})
     try:
         with loc.fs.open_input_stream(loc.path) as f:
             t = pacsv.read_csv(f, convert_options=opts)
@@ -39,6 +39,8 @@ def kinetics_rows(csv_uri: str, clip_root: str, prompt: str, s3: S3Config | None
     if missing:
         raise JobInputError(f"{csv_uri} is not a Kinetics annotation CSV: missing column(s) {missing} "
                          f"(expected {','.join(KINETICS_COLUMNS)})")
+    for name in ("time_start", "time_end"):
+        t = t.set_column(t.column_names.index(name), name, _seconds(t.column(name), name, csv_uri))
     root = clip_root.rstrip("/") if clip_root.startswith("s3://") else locate(clip_root, s3).path
     names = [clip_name(y, s, e) for y, s, e in zip(t.column("youtube_id").to_pylist(),
                                                    t.column("time_start").to_pylist(),
@@ -48,6 +50,22 @@ def kinetics_rows(csv_uri: str, clip_root: str, prompt: str, s3: S3Config | None
     t = t.add_column(0, "id", ids)
     t = t.append_column("video_uri", uris)
     return t.append_column("prompt", pa.array([prompt] * t.num_rows, type=pa.string()))
+
+
+def _seconds(column: pa.ChunkedArray, name: str, csv_uri: str) -> pa.ChunkedArray:
+    """A CSV text column of whole seconds as int64; the first value that is not one stops the job, naming the file,
+    the column and the row."""
+    try:
+        return pc.cast(pc.utf8_trim_whitespace(column), pa.int64())
+    except pa.ArrowInvalid:
+        pass
+    for row, value in enumerate(column.to_pylist(), start=1):
+        try:
+            pc.cast(pa.array([(value or "").strip()]), pa.int64())
+        except pa.ArrowInvalid:
+            raise JobInputError(f"annotation CSV {csv_uri}: column {name!r}, row {row} (after the header): {value!r} "
+                                "is not a whole number of seconds") from None
+    raise AssertionError("unreachable: the column failed to convert as a whole")
 
 
 def toy_rows(examples_parquet: str, data_root: str, media_type: str) -> pa.Table:

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 from pyarrow import fs as pafs
 
@@ -101,8 +100,9 @@ def check_disjoint(a: Location, b: Location, what: str = "input", other: str = "
 
 
 def scan_input(loc: Location) -> tuple[pa.Schema, pa.ChunkedArray]:
-    """The schema and `id` column of an input parquet file or directory, every file checked up front: readable,
-    the same columns with the same types in every file, a string or integer `id`. Errors name the file."""
+    """The schema and `id` column (one chunk per file) of an input parquet file or directory, every file checked up
+    front: readable, the same columns with the same types in every file, a string or integer `id`, ids non-null
+    and unique. Errors name the file."""
     files = parquet_files(loc)
     if not files:
         raise JobInputError(f"no parquet files at {loc.uri}; give a parquet file or a directory of them")
@@ -137,10 +137,16 @@ def scan_input(loc: Location) -> tuple[pa.Schema, pa.ChunkedArray]:
         if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t)):
             raise JobInputError(f"input file {_name(loc, path)}: column 'id' is {t}; ids must be strings or "
                                 "integers")
-    try:
-        ids = pads.dataset(files, filesystem=loc.fs, format="parquet").to_table(columns=["id"]).column("id")
-    except (pa.ArrowException, OSError) as e:
-        raise JobInputError(f"cannot read the `id` column of input {loc.uri}: {_one_line(e)}") from e
+
+    def ids_of(path: str) -> pa.Array:
+        try:
+            return pq.read_table(path, columns=["id"], filesystem=loc.fs).column("id").combine_chunks()
+        except (pa.ArrowException, OSError) as e:
+            raise JobInputError(f"cannot read column 'id' of input file {_name(loc, path)}: {_one_line(e)}") from e
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        ids = pa.chunked_array(list(pool.map(ids_of, files)), type=first.field("id").type)
+    check_ids(ids, loc.uri, [_name(loc, f) for f in files])
     return first, ids
 
 
@@ -152,18 +158,27 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
 
 
-def check_ids(ids: pa.ChunkedArray | pa.Array, where: str) -> None:
-    """Ids must be non-null and unique: the output and the resume logic key on them."""
+def check_ids(ids: pa.ChunkedArray | pa.Array, where: str, files: list[str] | None = None) -> None:
+    """Ids must be non-null and unique: the output and the resume logic key on them. `files`: the file each chunk
+    of `ids` came from (one chunk per file), named in the error."""
+    chunks = ids.chunks if isinstance(ids, pa.ChunkedArray) else [ids]
+    named = files is not None and len(files) == len(chunks)
     nulls = ids.null_count
     if nulls:
-        first = pc.index(pc.is_null(ids), True).as_py()
-        raise JobInputError(f"input {where} has {nulls} rows with a null id (first at row {first}); give every row "
-                            "a unique id")
+        i = next(i for i, c in enumerate(chunks) if c.null_count)
+        row = pc.index(pc.is_null(chunks[i]), True).as_py() + sum(len(c) for c in chunks[:i]) * (not named)
+        at = f"first in {files[i]}, row {row}" if named else f"first at row {row}"
+        raise JobInputError(f"input {where}: column 'id' has {nulls} rows with a null id ({at}); give every row a "
+                            "unique id")
     counts = pc.value_counts(ids)
     dup = counts.filter(pc.greater(counts.field("counts"), 1))
     if len(dup):
         sample = [d["values"] for d in dup.to_pylist()[:5]]
-        raise JobInputError(f"input {where} has {len(dup)} duplicated ids, e.g. {sample}; ids must be unique")
+        msg = f"input {where}: column 'id' has {len(dup)} duplicated ids, e.g. {sample}"
+        if named:
+            holders = [f for f, c in zip(files, chunks) if pc.any(pc.equal(c, sample[0])).as_py()]
+            msg += f" ({sample[0]!r} is in {', '.join(holders)})"
+        raise JobInputError(msg + "; ids must be unique")
 
 
 def write_json(loc: Location, obj: dict) -> None:
