@@ -88,8 +88,8 @@ def test_resume_with_other_settings_is_refused_naming_the_difference(tmp_path):
 def test_decode_config_records_every_text_setting():
     cfg = DecodeConfig(target="/m", temperature=0.5, max_new_tokens=9, media={"num_frames": 4})
     s = cfg.text_settings()
-    assert {"target", "drafter", "dtype", "temperature", "top_p", "top_k", "seed", "max_new_tokens", "stop",
-            "default_prompt", "media", "tree"} == set(s)
+    assert {"target", "drafter", "dtype", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
+            "max_new_tokens", "stop", "default_prompt", "media", "tree"} == set(s)
     assert s["media"]["num_frames"] == 4 and "device" not in s and "s3" not in s
 
 
