@@ -33,7 +33,7 @@ class StageSchedule(BaseModel):
             raise ValueError(f"epoch {epoch} is outside 1..{self.epochs}")
         if epoch <= self.text_epochs:
             return 0.0
-        if not self.gradual:
+        if not self.gradual or self.text_epochs == 0:  # one stage, or stage 2 entered at once
             return 1.0
         return (epoch - self.text_epochs) / (self.epochs - self.text_epochs)
 

@@ -129,7 +129,7 @@ def train_drafter(method: str | TrainingMethod, target: VLMTarget, examples: lis
             parts_sum["loss"] += float(loss.detach())
             for k, v in parts.items():
                 parts_sum[k] = parts_sum.get(k, 0.0) + v
-            bar.set_postfix(loss=f"{float(loss):.3f}", top1=f"{parts.get('top1', float('nan')):.2f}")
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", top1=f"{parts.get('top1', float('nan')):.2f}")
         n = max(1, len(batches))
         rec = {"epoch": epoch + 1, **{k: v / n for k, v in parts_sum.items()}, "train_s": time.time() - t0,
                "multimodal_share": stages.ratio(epoch + 1),

@@ -1,0 +1,213 @@
+"""MSD (issue 18): media entries take the target's projected embeddings untouched and text entries the fused input,
+at every image/video boundary of every family; the two-stage schedule gives the spec's proportions; training
+lowers the loss and resumes; a briefly trained MSD drafter stays lossless on every family and every request."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from mmspec_ray.drafters.base import load_drafter
+from mmspec_ray.drafters.msd import MSDDrafter, MSDHead
+from mmspec_ray.spec.engine import AREngine, SpecEngine
+from mmspec_ray.spec.tree import TreeConfig
+from mmspec_ray.targets import Request, wrap
+from mmspec_ray.training.datagen import DatagenRecipe, generate_features, load_features
+from mmspec_ray.training.methods import training_method
+from mmspec_ray.training.schedule import StageSchedule
+from mmspec_ray.training.trainer import TrainConfig, train_drafter
+from families import FAMILIES, build_target
+from tiny import random_images, tiny_llava
+
+TREE = TreeConfig(top_k=4, depth=4, total_tokens=20)
+
+
+def captured_inputs(drafter, target, req: Request) -> tuple[torch.Tensor, ...]:
+    """(decoder-layer input [L, d], inputs_embeds [L, d], hidden [L, d], media mask [L]) of `begin` on `req`."""
+    seen = []
+    hook = drafter.head.layer.register_forward_hook(lambda mod, args, out: seen.append(args[0][0].clone()))
+    pre = target.prefill(target.encode(req))
+    try:
+        drafter.begin(target, pre, root=5)
+    finally:
+        hook.remove()
+    return seen[0], pre.inputs_embeds[0], pre.hidden[0], pre.media_mask[0]
+
+
+@pytest.mark.parametrize("family,request_name", [(f, r) for f, fam in FAMILIES.items() for r in fam.requests])
+def test_media_entries_take_the_projected_embeddings_untouched(family, request_name):
+    torch.manual_seed(0)
+    target = build_target(family)
+    drafter = MSDDrafter.random(target, seed=3)
+    x, emb, hid, media = captured_inputs(drafter, target, FAMILIES[family].requests[request_name])
+    visual = torch.cat([media[1:], media.new_zeros(1)])  # entry j: token j+1 is a media token
+    assert int(visual.sum()) == int(media.sum()) == (0 if request_name == "text" else int(media.sum()))
+    if request_name != "text":
+        assert media.any()
+        assert torch.equal(x[visual], emb[1:][visual[:-1]])  # bit for bit: no fc, no feature, no norm
+    nxt = torch.cat([emb[1:], target.embed_tokens(torch.tensor([5]))], 0)
+    with torch.no_grad():
+        fused = drafter.head.fc(torch.cat([nxt, hid], -1))
+    torch.testing.assert_close(x[~visual], fused[~visual])
+    # the boundary rule (spec §2.3): for a span [p, p+n), entries p-1 .. p+n-2 take v_0 .. v_{n-1}; entry p+n-1
+    # (the last media token's feature with the next text token) is fused
+    starts = torch.nonzero(media[1:] & ~media[:-1]).flatten() + 1
+    ends = torch.nonzero(media[:-1] & ~media[1:]).flatten() + 1
+    for p, e in zip(starts.tolist(), ends.tolist()):
+        assert torch.equal(x[p - 1], emb[p]) and torch.equal(x[e - 2], emb[e - 1])
+        torch.testing.assert_close(x[e - 1], fused[e - 1])
+
+
+def test_eagle2_fuses_every_entry_on_the_same_weights():
+    """The decoupling is the only difference: an eagle2 head with MSD's weights fuses media entries too."""
+    from mmspec_ray.drafters.eagle import Eagle2Drafter, Eagle2Head
+
+    target = wrap(*tiny_llava(init=0.3))
+    msd = MSDDrafter.random(target, seed=1)
+    eagle_head = Eagle2Head(msd.head.cfg)
+    eagle_head.load_state_dict(msd.head.state_dict())
+    req = Request(prompt="describe the image", images=tuple(random_images(1, seed=4)))
+    xm, emb, hid, media = captured_inputs(msd, target, req)
+    xe, *_ = captured_inputs(Eagle2Drafter(eagle_head, target), target, req)
+    visual = torch.cat([media[1:], media.new_zeros(1)])
+    assert torch.equal(xm[~visual], xe[~visual]) and not torch.allclose(xm[visual], xe[visual])
+
+
+def test_mixing_schedule_gives_the_spec_proportions_at_its_boundaries():
+    s = StageSchedule(epochs=40, text_epochs=20)  # the authors' run: 20 text-only epochs, then 20 ramping
+    assert [s.ratio(e) for e in (1, 20)] == [0.0, 0.0]
+    assert s.ratio(21) == pytest.approx(0.05) and s.ratio(30) == pytest.approx(0.5)
+    assert s.ratio(39) == pytest.approx(0.95) and s.ratio(40) == 1.0
+    assert StageSchedule(epochs=40, text_epochs=20, gradual=False).ratio(21) == 1.0
+    assert all(StageSchedule(epochs=8).ratio(e) == 1.0 for e in range(1, 9))  # one stage: all multimodal
+    toy = StageSchedule(epochs=8, text_epochs=training_method("msd").default_text_epochs(8))
+    assert [toy.ratio(e) for e in range(1, 9)] == [0, 0, 0, 0, 0.25, 0.5, 0.75, 1.0]
+    rng = np.random.default_rng(0)
+    for e, r in ((4, 0.0), (5, 0.25), (6, 0.5), (7, 0.75), (8, 1.0)):
+        items = toy.items(e, 4000, 3000, rng)
+        assert len(items) == 3000  # min(N_text, N_multimodal) items per epoch
+        share = sum(mm for mm, _ in items) / len(items)
+        assert abs(share - r) < 0.03, (e, share)
+        assert len({i for mm, i in items if mm}) == sum(mm for mm, _ in items)  # no repeats within a pool
+    assert [mm for mm, _ in StageSchedule(epochs=2).items(1, 5, 0, rng)] == [True] * 5
+    with pytest.raises(ValueError, match="needs text and multimodal examples"):
+        toy.items(5, 10, 0, rng)
+    with pytest.raises(ValueError, match="must be below epochs"):
+        StageSchedule(epochs=4, text_epochs=4)
+
+
+def _features(target, reqs, path, n_tokens=16):
+    return load_features(generate_features(target, reqs, DatagenRecipe(max_new_tokens=n_tokens), path))
+
+
+def test_msd_training_lowers_the_loss_resumes_and_stays_lossless(tmp_path):
+    target = wrap(*tiny_llava(init=0.3))
+    mm = _features(target, [Request(prompt="describe the image", images=tuple(random_images(1, seed=i)))
+                            for i in range(12)], tmp_path / "mm")
+    text = _features(target, [Request(prompt=f"describe {w} the image") for w in
+                              ("a", "one", "what", "is", "the", "this", "big", "red", "an", "two", "it", "there")],
+                     tmp_path / "text")
+    assert all(e.media.any() for e in mm) and not any(e.media.any() for e in text)
+    cfg = TrainConfig(epochs=2, batch_size=4, lr=3e-3, warmup_steps=2, eval_max_new_tokens=8)
+    heldout = [Request(prompt="describe the image", images=tuple(random_images(1, seed=100)))]
+    out = train_drafter("msd", target, mm, tmp_path / "d", cfg, heldout=heldout, text_examples=text)
+    hist = json.loads((out / "history.json").read_text())
+    assert [h["multimodal_share"] for h in hist] == [0.0, 1.0]  # 2 epochs: 1 text-only, then all multimodal
+    assert hist[0]["items"] == {"multimodal": 0, "text": min(len(mm), len(text))}  # min(N_text, N_mm) per epoch
+    out = train_drafter("msd", target, mm, tmp_path / "d", cfg.model_copy(update={"epochs": 4, "text_epochs": 1}),
+                        heldout=heldout, text_examples=text)
+    hist = json.loads((out / "history.json").read_text())
+    assert [h["epoch"] for h in hist] == [1, 2, 3, 4]
+    m, W = training_method("msd"), target.model.get_output_embeddings().weight.detach().float()
+    batch = m.collate(mm, list(range(len(mm))), 0.0, torch.Generator())
+    torch.manual_seed(cfg.seed)  # the trainer's initial head
+    with torch.no_grad():
+        before = m.loss(m.head(target).float(), batch, W, 0.1)[0].item()
+        after = m.loss(MSDHead.load(out).float(), batch, W, 0.1)[0].item()
+    assert after < 0.8 * before, (before, after)  # on the multimodal examples (epochs mix text and media)
+    assert [h["multimodal_share"] for h in hist[2:]] == [pytest.approx(2 / 3), 1.0]
+    assert json.loads((out / "config.json").read_text())["method"] == "msd"
+    d = load_drafter(str(out), target)
+    assert isinstance(d, MSDDrafter) and isinstance(d.head, MSDHead)
+    with pytest.raises(ValueError, match="holds a msd training run, not eagle2"):
+        train_drafter("eagle2", target, mm, tmp_path / "d", cfg.model_copy(update={"epochs": 5}))
+    for i in range(3):
+        req = Request(prompt="describe the image", images=tuple(random_images(1, seed=200 + i)))
+        assert SpecEngine(target, d, TREE).generate(req, max_new_tokens=24).token_ids == \
+            AREngine(target).generate(req, max_new_tokens=24).token_ids
+
+
+def test_msd_training_refuses_features_without_a_media_mask(tmp_path):
+    target = wrap(*tiny_llava(init=0.3))
+    ex = _features(target, [Request(prompt="describe the image", images=tuple(random_images(1, seed=1)))],
+                   tmp_path / "f", n_tokens=4)
+    old = [type(ex[0])(ex[0].input_ids, ex[0].hidden, ex[0].embeds, ex[0].n_prompt)]  # stored before media masks
+    with pytest.raises(ValueError, match=r"msd training needs \['media'\]"):
+        train_drafter("msd", target, old, tmp_path / "d", TrainConfig(epochs=1, text_epochs=0))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_trained_msd_is_lossless_on_every_family_and_request(family, tmp_path):
+    """Briefly trained (both stages) on the family's own requests; greedy spec == AR == HF generate on each."""
+    torch.manual_seed(0)
+    target = build_target(family)
+    reqs = FAMILIES[family].requests
+    media = [r for n, r in reqs.items() if n != "text"]
+    mm = _features(target, media * 2, tmp_path / "mm", n_tokens=12)
+    text = _features(target, [reqs["text"], Request(prompt="what is there")] * 2, tmp_path / "text", n_tokens=12)
+    cfg = TrainConfig(epochs=2, batch_size=2, lr=3e-3, warmup_steps=1)
+    d = load_drafter(str(train_drafter("msd", target, mm, tmp_path / "d", cfg, text_examples=text)), target)
+    for name, req in reqs.items():
+        ar = AREngine(target).generate(req, max_new_tokens=24)
+        inputs = target.encode(req)
+        with torch.inference_mode():
+            hf = target.model.generate(**inputs, do_sample=False, max_new_tokens=24)
+        assert ar.token_ids == hf[0, inputs["input_ids"].shape[1]:].tolist(), (family, name)
+        assert SpecEngine(target, d, TREE).generate(req, max_new_tokens=24).token_ids == ar.token_ids, (family, name)
+
+
+def test_msd_sampling_output_distribution_equals_the_target(tmp_path):
+    """An image request at T 0.8, top-k 4, top-p 0.9 through a briefly trained MSD drafter: 3-token answers match
+    the exact warped target distribution (chi-square at p = 1e-4, 1,500 samples)."""
+    from collections import Counter
+
+    from mmspec_ray.config import SamplingParams
+    from mmspec_ray.spec.sampling import warp
+    from mmspec_ray.training.datagen import extend_inputs
+    from test_spec_accept import chi2_critical, chi2_stat
+
+    target = wrap(*tiny_llava(init=0.08))  # flatter logits: several tokens per step carry real mass
+    req = Request(prompt="describe the image", images=tuple(random_images(1, seed=7)))
+    mm = _features(target, [Request(prompt="describe the image", images=tuple(random_images(1, seed=i)))
+                            for i in range(8)], tmp_path / "mm", n_tokens=8)
+    cfg = TrainConfig(epochs=3, batch_size=4, lr=3e-3, warmup_steps=1, text_epochs=0)
+    d = load_drafter(str(train_drafter("msd", target, mm, tmp_path / "d", cfg)), target)
+    params = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
+    inputs = target.encode(req)
+
+    def dist(prefix: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return warp(target.model(**extend_inputs(inputs, prefix)).logits[0, -1], params)
+
+    probs: dict[tuple[int, ...], float] = {}
+    p1 = dist([])
+    for a in torch.nonzero(p1).flatten().tolist():
+        p2 = dist([a])
+        for b in torch.nonzero(p2).flatten().tolist():
+            p3 = dist([a, b])
+            for c in torch.nonzero(p3).flatten().tolist():
+                probs[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+    assert len(probs) >= 8
+    n = 1500
+    eng = SpecEngine(target, d, TreeConfig(top_k=3, depth=2, total_tokens=8))
+    samples, accepted = Counter(), 0
+    for s in range(n):
+        g = eng.generate(req, SamplingParams(temperature=0.8, top_k=4, top_p=0.9, seed=s), max_new_tokens=3)
+        samples[tuple(g.token_ids)] += 1
+        accepted += sum(g.stats.accepted_per_cycle)
+    assert accepted > n // 4  # the trained drafter's proposals are really accepted, not all rejected
+    stat, df = chi2_stat(samples, probs, n)
+    assert stat < chi2_critical(df), f"chi2 {stat:.1f} > {chi2_critical(df):.1f} (df {df})"
