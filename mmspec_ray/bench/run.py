@@ -157,6 +157,9 @@ def summarize(runs: list[dict]) -> dict:
             if "cycles" in mr[0]:
                 acc = sum(r["accepted"] for r in mr) / max(1, sum(r["cycles"] for r in mr))
                 row.update(accepted_per_cycle=acc, tokens_per_forward=acc + 1)
+                ncyc = max(1, sum(r["cycles"] for r in mr))  # draft time includes the drafter's begin (its prefill)
+                row.update(draft_ms_per_cycle=1e3 * sum(r["draft_s"] for r in mr) / ncyc,
+                           verify_ms_per_cycle=1e3 * sum(r["verify_s"] for r in mr) / ncyc)
                 dec = [decode_per_token("ar", p) / decode_per_token(m, p) for p in mine]
                 row["decode_speedup_median"] = statistics.median(dec)
                 if m == "oracle":
@@ -176,17 +179,20 @@ def to_markdown(results: dict, title: str) -> str:
     for temp, table in results["summary"].items():
         lines += [f"T = {temp}", "",
                   "| method | prompts | speedup vs AR per token (median) | min-max | decode-only speedup | tokens/s | "
-                  "accepted/cycle | tokens/forward |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "accepted/cycle | tokens/forward | draft ms/cycle | verify ms/cycle |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for m, r in table.items():
             acc = f"{r['accepted_per_cycle']:.2f}" if "accepted_per_cycle" in r else "-"
             tpf = f"{r['tokens_per_forward']:.2f}" if "tokens_per_forward" in r else "-"
+
+            def ms(kind: str, r=r) -> str:
+                return f"{r[kind + '_ms_per_cycle']:.1f}" if kind + "_ms_per_cycle" in r else "-"
             dec = f"{r['decode_speedup_median']:.2f}x" if "decode_speedup_median" in r else "-"
             lines.append(f"| {m} | {r['prompts']} | {r['speedup_median']:.2f}x | {r['speedup_min']:.2f}-{r['speedup_max']:.2f} | "
-                         f"{dec} | {r['tokens_per_s']:.1f} | {acc} | {tpf} |")
+                         f"{dec} | {r['tokens_per_s']:.1f} | {acc} | {tpf} | {ms('draft')} | {ms('verify')} |")
             if r.get("efficiency") is not None:
                 lines.append(f"| (oracle: ideal {r['ideal_speedup']:.2f}x, efficiency {r['efficiency']:.0%} of it, decode-only) |"
-                             " | | | | | | |")
+                             " | | | | | | | | |")
         lines.append("")
     for e in results.get("errors", []):
         lines.append(f"- not measured: {e['method']} at T={e['temperature']} on prompt {e['prompt']}: {e['error']}")
