@@ -32,3 +32,12 @@ def test_requests_cover_the_family_kinds_and_are_reproducible():
     again = family_requests("llava", 8, seed=3)
     assert [r.prompt for r in again] == [r.prompt for r in reqs]
     assert again[1].images[0].tobytes() == reqs[1].images[0].tobytes()
+
+
+def test_float32_head_experiment_keeps_float32_identical(tmp_path):
+    """--float32-head recomputes the logits from the hidden state: in float32 that is the model's own computation."""
+    assert main(["--families", "gemma3", "--dtypes", "float32", "--requests", "2", "--max-new-tokens", "6",
+                 "--float32-head", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "precision.json").read_text())
+    assert res["float32_head"] and all(v == 2 for v in res["families"]["gemma3"]["float32"]["agree"].values())
+    assert (tmp_path / "precision.md").read_text().startswith("Experiment --float32-head")

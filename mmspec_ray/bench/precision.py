@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import platform
 import sys
@@ -46,6 +47,7 @@ def _tests_on_path() -> None:
 def family_requests(family: str, n: int, seed: int) -> list:
     """`n` requests for `family`: its request kinds in turn (text, image, two images, video where it has them),
     each with a random prompt of 3-9 tiny-vocabulary words and fresh random images of the kind's sizes."""
+    _tests_on_path()
     from families import FAMILIES
     from mmspec_ray.targets import Request
     from tiny import WORDS, random_image
@@ -91,8 +93,26 @@ def answers(target, request, max_new_tokens: int, drafter_seed: int) -> dict[str
     return out
 
 
+def float32_head(target) -> None:
+    """The `--float32-head` experiment: `target`'s prefill and verify logits recomputed as lm_head in float32 from
+    the post-norm hidden state (HF computes them in the model's dtype, rounding every logit to it). Not what the
+    engine does (docs/engine.md, Precision, says why)."""
+    head = target.model.get_output_embeddings()
+    w, b = head.weight.float(), None if head.bias is None else head.bias.float()
+    cap = getattr(target, "logit_softcap", None)  # Gemma3: None unless the model caps its logits
+    prefill, verify = target.prefill, target.verify
+
+    def logits(out, keep: int):
+        h = out.hidden[:, -keep:] if keep else out.hidden
+        x = torch.nn.functional.linear(h.float(), w, b)
+        return dataclasses.replace(out, logits=torch.tanh(x / cap) * cap if cap else x)
+
+    target.prefill = lambda inputs, logits_to_keep=1: logits(prefill(inputs, logits_to_keep), logits_to_keep)
+    target.verify = lambda tokens, ancestors, depth: logits(verify(tokens, ancestors, depth), 0)
+
+
 def measure(families: list[str], dtypes: list[str], n: int, model_seeds: int, max_new_tokens: int,
-            log=print) -> dict:
+            log=print, head32: bool = False) -> dict:
     """Per (family, dtype): per-request records and the agreement counts of every pair in PAIRS."""
     _tests_on_path()
     from families import FAMILIES
@@ -108,6 +128,8 @@ def measure(families: list[str], dtypes: list[str], n: int, model_seeds: int, ma
             model, processor = FAMILIES[family].builder(seed=s)
             for dname in dtypes:
                 target = wrap(copy.deepcopy(model).to(DTYPES[dname]), processor)
+                if head32:
+                    float32_head(target)
                 t0 = time.perf_counter()
                 recs = fam.setdefault(dname, {"records": []})["records"]
                 for j, req in enumerate(per_model[s]):
@@ -160,7 +182,8 @@ def markdown(res: dict) -> str:
                 t["prefix_sum"][k] = t["prefix_sum"].get(k, 0.0) + d["prefix_mean"][k] * d["n"]
     for t in total.values():
         t["prefix_mean"] = {k: v / t["n"] for k, v in t.pop("prefix_sum").items()}
-    out = []
+    out = ["Experiment --float32-head: prefill and verify logits computed as lm_head in float32.\n"
+           ] if res.get("float32_head") else []
     for title, cols in TABLES:
         head = ["family", "dtype", "requests"] + [c for c, _ in cols]
         lines = [f"{title}:", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -189,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-seeds", type=int, default=2, help="tiny models per family (requests split among them)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--float32-head", action="store_true",
+                   help="experiment: the engine's logits computed as lm_head in float32 (see float32_head)")
     p.add_argument("--out", default="out/precision")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -197,9 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.set_verbosity_error()
     t0 = time.perf_counter()
     res = measure(a.families.split(","), a.dtypes.split(","), a.requests, a.model_seeds, a.max_new_tokens,
-                  log=lambda m: print(m, file=sys.stderr, flush=True))
+                  log=lambda m: print(m, file=sys.stderr, flush=True), head32=a.float32_head)
     res.update(command="python -m mmspec_ray.bench.precision " + " ".join(argv if argv is not None else sys.argv[1:]),
-               max_new_tokens=a.max_new_tokens, requests=a.requests, model_seeds=a.model_seeds,
+               max_new_tokens=a.max_new_tokens, float32_head=a.float32_head, requests=a.requests,
+               model_seeds=a.model_seeds,
                machine=platform.processor() or platform.machine(), torch=torch.__version__,
                transformers=transformers.__version__, threads=a.threads, seconds=round(time.perf_counter() - t0, 1))
     out = Path(a.out)
