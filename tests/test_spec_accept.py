@@ -171,6 +171,24 @@ def test_greedy_picks_the_matching_branch_and_bonus():
     assert accept_greedy(tree, logits) == ([0, 2], 1)
 
 
+def test_greedy_stops_at_a_near_tie_when_a_tie_margin_is_set():
+    """Half precision: a decision whose top-2 gap is under tie_margin x max(1, |top|) is not taken from a multi-node
+    forward; the walk stops there with no bonus. A one-node tree (a one-token forward) is never guarded."""
+    tree = DraftTree(torch.tensor([0, 4, 5]), torch.tensor([-1, 0, 1]), torch.tensor([0, 1, 2]),
+                     torch.tensor([0.0, -0.5, -0.7]))
+    logits = torch.full((3, V), -5.0)
+    logits[0, 4] = 8.0  # 4 after the root, by a wide margin
+    logits[1, 5], logits[1, 2] = 8.0, 7.95  # 5 after 4, but 2 is within 0.05 (relative gap 0.0063)
+    logits[2, 1] = 3.0
+    assert accept_greedy(tree, logits) == ([0, 1, 2], 1)  # no margin: as before
+    assert accept_greedy(tree, logits, tie_margin=2 ** -8) == ([0, 1, 2], 1)  # gap above the margin
+    assert accept_greedy(tree, logits, tie_margin=2 ** -5) == ([0, 1], None)  # stop after 4: decide by one token
+    logits[0, 3] = 8.0  # an exact tie at the root itself
+    assert accept_greedy(tree, logits, tie_margin=2 ** -5) == ([0], None)
+    single = DraftTree.chain([0])
+    assert accept_greedy(single, logits[:1], tie_margin=2 ** -5) == ([0], 3)  # first of tied ids, as argmax
+
+
 def test_a_child_holding_all_the_leftover_mass_is_accepted_not_a_crash(monkeypatch):
     """Rounding leaves a node's weights summing to 1 - 2^-24, all on the one drafted child, and the uniform draw
     lands at the top of [0, 1): the child must be accepted (it holds all the mass), not rejected into an all-zero

@@ -212,6 +212,21 @@ def test_deep_tree_sampling_output_distribution_equals_the_target():
     assert stat < chi2_critical(df), f"chi2 {stat:.1f} > {chi2_critical(df):.1f} (df {df})"
 
 
+def test_near_ties_left_to_one_token_forwards_keep_the_answer(target):
+    """The half-precision tie guard's engine path, forced in float32 by a large margin: cycles that stop at a
+    near-tie (also at the root, committing nothing) and re-verify that token alone still give AR's answer exactly;
+    the drafter keeps observing consistent context (the random EAGLE-2 drafter reads its own KV)."""
+    ar = AREngine(target).generate(REQ, max_new_tokens=30)
+    for drafter in (OracleDrafter(ar.token_ids), Eagle2Drafter.random(target, seed=3)):
+        g = SpecEngine(target, drafter, TREE, tie_margin=0.05).generate(REQ, max_new_tokens=30)
+        assert g.token_ids == ar.token_ids and g.text == ar.text
+        assert 0 < g.stats.tie_cycles < g.stats.cycles
+        if isinstance(drafter, OracleDrafter):
+            assert max(g.stats.accepted_per_cycle) >= 2  # paths were still accepted between near-ties
+            assert g.stats.tokens_per_forward == pytest.approx(len(ar.token_ids[1:]) / g.stats.cycles)
+    assert SpecEngine(target, OracleDrafter(ar.token_ids), TREE).tie_margin == 0.0  # float32: off by default
+
+
 def test_a_tiny_temperature_decodes_as_greedy(target):
     """T=1e-40 used to fail with "probability tensor contains inf/nan"; its limit is the greedy answer."""
     ar = AREngine(target).generate(REQ, max_new_tokens=12).token_ids

@@ -75,8 +75,9 @@ def first_diff(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def answers(target, request, max_new_tokens: int, drafter_seed: int) -> dict[str, list[int]]:
-    """Every method's greedy answer to one request."""
+def answers(target, request, max_new_tokens: int, drafter_seed: int,
+            tie_margin: float | None = None) -> dict[str, list[int]]:
+    """Every method's greedy answer to one request (+ `ties`: [near-tie cycles, cycles] of the two spec runs)."""
     from mmspec_ray.drafters.eagle import Eagle2Drafter
     from mmspec_ray.drafters.oracle import OracleDrafter
     from mmspec_ray.spec.engine import AREngine, SpecEngine
@@ -86,10 +87,13 @@ def answers(target, request, max_new_tokens: int, drafter_seed: int) -> dict[str
         hf = target.model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
     out = {"hf": hf[0, inputs["input_ids"].shape[1]:].tolist()}
     out["ar"] = AREngine(target).generate(request, max_new_tokens=max_new_tokens).token_ids
-    out["eagle2"] = SpecEngine(target, Eagle2Drafter.random(target, seed=drafter_seed)).generate(
-        request, max_new_tokens=max_new_tokens).token_ids
-    out["oracle"] = SpecEngine(target, OracleDrafter(out["ar"])).generate(
-        request, max_new_tokens=max_new_tokens).token_ids
+    ties = [0, 0]
+    for name, drafter in (("eagle2", Eagle2Drafter.random(target, seed=drafter_seed)),
+                          ("oracle", OracleDrafter(out["ar"]))):
+        g = SpecEngine(target, drafter, tie_margin=tie_margin).generate(request, max_new_tokens=max_new_tokens)
+        out[name] = g.token_ids
+        ties = [ties[0] + g.stats.tie_cycles, ties[1] + g.stats.cycles]
+    out["ties"] = ties
     return out
 
 
@@ -112,7 +116,7 @@ def float32_head(target) -> None:
 
 
 def measure(families: list[str], dtypes: list[str], n: int, model_seeds: int, max_new_tokens: int,
-            log=print, head32: bool = False) -> dict:
+            log=print, head32: bool = False, tie_margin: float | None = None) -> dict:
     """Per (family, dtype): per-request records and the agreement counts of every pair in PAIRS."""
     _tests_on_path()
     from families import FAMILIES
@@ -134,7 +138,7 @@ def measure(families: list[str], dtypes: list[str], n: int, model_seeds: int, ma
                 recs = fam.setdefault(dname, {"records": []})["records"]
                 for j, req in enumerate(per_model[s]):
                     i = j * model_seeds + s
-                    ans = answers(target, req, max_new_tokens, drafter_seed=j)
+                    ans = answers(target, req, max_new_tokens, drafter_seed=j, tie_margin=tie_margin)
                     if dname == "float32":
                         ref32[i] = ans["hf"]
                     recs.append({"request": i, "model_seed": s, "kind": _kind(req), "answers": ans,
@@ -151,6 +155,8 @@ def measure(families: list[str], dtypes: list[str], n: int, model_seeds: int, ma
             d["prefix_mean"] = {k: float(np.mean([len(r["answers"]["hf"]) if r[k] is None else r[k] for r in recs]))
                                 for k in keys}  # tokens before the first difference
             d["distinct_ar_mean"] = float(np.mean([r["distinct_ar"] for r in recs]))
+            d["tie_cycle_share"] = (sum(r["answers"]["ties"][0] for r in recs)
+                                    / max(1, sum(r["answers"]["ties"][1] for r in recs)))
     return res
 
 
@@ -201,6 +207,14 @@ def markdown(res: dict) -> str:
             out.append("\n".join(lines) + "\n")
     means = ", ".join(f"{f} {fam[next(iter(fam))]['distinct_ar_mean']:.1f}" for f, fam in res["families"].items())
     out.append(f"Distinct tokens per AR answer (mean, {next(iter(total))}): {means}.\n")
+    ties = {dn: [0, 0] for dn in total}
+    for fam in res["families"].values():
+        for dname, d in fam.items():
+            for r in d["records"]:
+                ties[dname] = [ties[dname][0] + r["answers"]["ties"][0], ties[dname][1] + r["answers"]["ties"][1]]
+    out.append("Spec cycles ended at a near-tie (re-decided by a one-token forward; tie margin "
+               f"{res.get('tie_margin') if res.get('tie_margin') is not None else 'engine default'}): "
+               + ", ".join(f"{dn} {100 * a / max(1, b):.1f} % ({a}/{b})" for dn, (a, b) in ties.items()) + ".\n")
     return "\n".join(out)
 
 
@@ -214,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--float32-head", action="store_true",
                    help="experiment: the engine's logits computed as lm_head in float32 (see float32_head)")
+    p.add_argument("--tie-margin", type=float, default=None,
+                   help="relative top-2 logit gap below which spec re-decides a greedy token with a one-token forward "
+                        "(default: the engine's per-dtype TIE_MARGIN; 0 turns the guard off)")
     p.add_argument("--out", default="out/precision")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -222,9 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.set_verbosity_error()
     t0 = time.perf_counter()
     res = measure(a.families.split(","), a.dtypes.split(","), a.requests, a.model_seeds, a.max_new_tokens,
-                  log=lambda m: print(m, file=sys.stderr, flush=True), head32=a.float32_head)
+                  log=lambda m: print(m, file=sys.stderr, flush=True), head32=a.float32_head,
+                  tie_margin=a.tie_margin)
     res.update(command="python -m mmspec_ray.bench.precision " + " ".join(argv if argv is not None else sys.argv[1:]),
-               max_new_tokens=a.max_new_tokens, float32_head=a.float32_head, requests=a.requests,
+               max_new_tokens=a.max_new_tokens, float32_head=a.float32_head, tie_margin=a.tie_margin,
+               requests=a.requests,
                model_seeds=a.model_seeds,
                machine=platform.processor() or platform.machine(), torch=torch.__version__,
                transformers=transformers.__version__, threads=a.threads, seconds=round(time.perf_counter() - t0, 1))

@@ -20,13 +20,24 @@ from mmspec_ray.spec.sampling import sample, uniform, warp
 from mmspec_ray.spec.tree import DraftTree
 
 
-def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
-    """logits [n, V] of the tree's nodes -> (accepted node path from the root, bonus token)."""
+def accept_greedy(tree: DraftTree, logits: torch.Tensor, tie_margin: float = 0.0) -> tuple[list[int], int | None]:
+    """logits [n, V] of the tree's nodes -> (accepted node path from the root, bonus token).
+
+    tie_margin > 0 (half precision): a multi-node forward rounds differently from the one-token forward AR decoding
+    makes, which can flip a near-tie. A decision whose top-2 logit gap is below tie_margin x max(1, |top logit|) is
+    not taken from such a forward: the walk stops at that node and the bonus is None, so the engine decides that
+    token with a one-token forward. Trees of one node are one-token forwards: never guarded."""
+    unsure: list[bool] | None = None
+    if tie_margin > 0 and tree.size > 1:
+        top = torch.topk(logits, 2, dim=-1).values  # [n, 2], on the logits' device
+        unsure = ((top[:, 0] - top[:, 1]) < tie_margin * top[:, 0].abs().clamp_min(1.0)).tolist()
     argmax = logits.argmax(-1).tolist()
     tokens = tree.tokens.tolist()
     kids = tree.children()
     path = [0]
     while True:
+        if unsure is not None and unsure[path[-1]]:
+            return path, None
         want = argmax[path[-1]]
         nxt = next((c for c in kids[path[-1]] if tokens[c] == want), None)
         if nxt is None:
@@ -57,8 +68,9 @@ def accept_sampling(tree: DraftTree, logits: torch.Tensor, params: SamplingParam
         path.append(nxt)
 
 
-def accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams,
-           generator: torch.Generator) -> tuple[list[int], int]:
+def accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
+           tie_margin: float = 0.0) -> tuple[list[int], int | None]:
+    """(path, bonus); bonus None only when greedy acceptance stopped at a near-tie (see accept_greedy)."""
     if params.greedy:
-        return accept_greedy(tree, logits)
+        return accept_greedy(tree, logits, tie_margin)
     return accept_sampling(tree, logits, params, generator)

@@ -17,18 +17,26 @@ from mmspec_ray.spec.output import Generation, GenerationStats, OutputTracker
 from mmspec_ray.spec.processors import (HistoryProcessors, check_generation_config, effective_generation_config,
                                         resolve_sampling)
 from mmspec_ray.spec.sampling import make_generator, pick
-from mmspec_ray.spec.tree import TreeConfig
+from mmspec_ray.spec.tree import DraftTree, TreeConfig
 from mmspec_ray.targets.base import Request, VLMTarget
+
+
+# relative top-2 logit gap below which a greedy decision from a multi-node forward is re-made by a one-token
+# forward (docs/engine.md, Precision: measured with `python -m mmspec_ray.bench.precision --tie-margin`)
+TIE_MARGIN = {torch.bfloat16: 2.0 ** -5, torch.float16: 2.0 ** -8}
 
 
 class SpecEngine:
     """Lossless tree speculative decoding, batch size 1. Decodes as the checkpoint's generation config says (HF
     generate's defaults, penalties, stop ids), request parameters over it; refuses a config it cannot reproduce."""
 
-    def __init__(self, target: VLMTarget, drafter: Drafter, tree: TreeConfig | None = None) -> None:
+    def __init__(self, target: VLMTarget, drafter: Drafter, tree: TreeConfig | None = None,
+                 tie_margin: float | None = None) -> None:
         self.target = target
         self.drafter = drafter
         self.tree = tree or TreeConfig()
+        # greedy near-ties left to a one-token forward (spec/accept.py); None: by the target's dtype
+        self.tie_margin = TIE_MARGIN.get(target.dtype, 0.0) if tie_margin is None else tie_margin
         check_generation_config(effective_generation_config(target.model))
 
     def generate(self, request: Request, sampling: SamplingParams | None = None, max_new_tokens: int = 128,
@@ -70,33 +78,40 @@ class SpecEngine:
         td = time.perf_counter()
         d.begin(t, out, root)
         stats.draft_s += time.perf_counter() - td
+        single = False  # the next cycle verifies the root alone (a near-tie left to a one-token forward)
         while True:
             td = time.perf_counter()
             room = t.max_context - t.seq_len  # cache slots left; >= remaining + 1 >= 2 by check_length
-            tree = (d.propose(root, self._fit(room)).truncate(tracker.remaining - 1)  # deeper: never emitted
-                    .head(room))  # the verified tree must fit the context
+            tree = DraftTree.chain([root]) if single else (
+                d.propose(root, self._fit(room)).truncate(tracker.remaining - 1)  # deeper: never emitted
+                .head(room))  # the verified tree must fit the context
             tv = time.perf_counter()
             v = t.verify(tree.tokens, tree.ancestors, tree.depth)
             ta = time.perf_counter()
-            path, bonus = accept(tree, history.tree_logits(v.logits[0], tree), sampling, gen)
-            t.commit(path)
-            history.commit(tree.tokens[path].tolist())
-            new = tree.tokens[path[1:]].tolist() + [bonus]
+            path, bonus = accept(tree, history.tree_logits(v.logits[0], tree), sampling, gen, self.tie_margin)
+            single = bonus is None  # near-tie after path[-1]: keep what precedes it, re-verify it alone
+            keep, nxt = (path[:-1], int(tree.tokens[path[-1]])) if single else (path, bonus)
+            t.commit(keep)
+            history.commit(tree.tokens[keep].tolist())
+            new = tree.tokens[path[1:]].tolist() + ([] if single else [bonus])
             stats.cycles += 1
+            stats.tie_cycles += single
             stats.accepted_per_cycle.append(len(path) - 1)
             stats.draft_s += tv - td
             stats.verify_s += ta - tv
             n_before = len(tracker.ids)
             done = tracker.add(new)
-            tp = time.perf_counter()
-            yield tracker.ids[n_before:]
-            t0 += time.perf_counter() - tp
+            if new:
+                tp = time.perf_counter()
+                yield tracker.ids[n_before:]
+                t0 += time.perf_counter() - tp
             if done:
                 break
             to = time.perf_counter()
-            d.observe(tree.tokens[path].tolist(), v.hidden[0, path], bonus)
+            if keep:
+                d.observe(tree.tokens[keep].tolist(), v.hidden[0, keep], nxt)
             stats.draft_s += time.perf_counter() - to
-            root = bonus
+            root = nxt
         return self._finish(tracker, stats, t0)
 
     def _fit(self, room: int) -> TreeConfig:

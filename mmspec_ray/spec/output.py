@@ -15,6 +15,7 @@ class GenerationStats:
     prompt_tokens: int = 0
     cycles: int = 0  # target forwards after prefill
     accepted_per_cycle: list[int] = field(default_factory=list)  # accepted draft tokens per cycle (bonus excluded)
+    tie_cycles: int = 0  # cycles that ended at a half-precision near-tie, without a bonus (spec/accept.py)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -28,8 +29,9 @@ class GenerationStats:
 
     @property
     def tokens_per_forward(self) -> float:
-        """τ as tokens committed per target forward (accepted + 1)."""
-        return self.mean_accepted + 1.0
+        """τ as tokens committed per target forward (accepted + 1; a cycle ended at a near-tie has no bonus)."""
+        n = len(self.accepted_per_cycle)
+        return (sum(self.accepted_per_cycle) + n - self.tie_cycles) / max(1, n) if n else 1.0
 
 
 @dataclass
