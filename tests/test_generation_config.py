@@ -5,7 +5,6 @@ settings that cannot be applied losslessly are refused, naming the setting."""
 
 from __future__ import annotations
 
-from collections import Counter
 
 import pytest
 import torch
@@ -18,12 +17,10 @@ from mmspec_ray.drafters.ngram import NgramDrafter
 from mmspec_ray.drafters.oracle import OracleDrafter
 from mmspec_ray.spec.engine import AREngine, SpecEngine
 from mmspec_ray.spec.processors import UnsupportedGenerationConfig, effective_generation_config, resolve_sampling
-from mmspec_ray.spec.sampling import warp
 from mmspec_ray.spec.tree import TreeConfig
 from mmspec_ray.targets import Request, wrap
-from test_spec_accept import chi2_critical, chi2_stat
 from test_spec_engine import PerturbedOracle
-from test_spec_engine_paths import DeepPeek
+from test_spec_engine_paths import check_deep_sampling
 from tiny import tiny_llava
 
 TREE = TreeConfig(top_k=4, depth=4, total_tokens=20)
@@ -111,34 +108,7 @@ def test_settings_that_cannot_be_applied_losslessly_are_refused_by_name(setting)
 
 
 def test_sampling_with_a_repetition_penalty_keeps_the_targets_distribution():
-    """5-token answers through 4-deep dynamic trees with repetition penalty 1.5 on (T 0.8, top-k 3, top-p 0.9) vs
-    the exact penalised + warped target distribution, chi-square at p = 1e-4 over 1,500 samples."""
-    target = wrap(*tiny_llava(init=0.08))
+    """Repetition penalty 1.5 on (T 0.8, top-k 3, top-p 0.9): 5-token answers through 4-deep dynamic trees match
+    the exact penalised and warped target distribution (check_deep_sampling: chi-square, 1,500 samples)."""
     params = SamplingParams(temperature=0.8, top_k=3, top_p=0.9, repetition_penalty=1.5)
-    req = Request(prompt="describe the image")
-    prompt = target.encode(req)["input_ids"][0].tolist()
-    penalty = RepetitionPenaltyLogitsProcessor(1.5)
-    probs: dict[tuple[int, ...], float] = {}
-
-    def walk(prefix: list[int], p: float) -> None:
-        if len(prefix) == 5:
-            probs[tuple(prefix)] = p
-            return
-        ids = torch.tensor([prompt + prefix])
-        with torch.inference_mode():
-            logits = penalty(ids, target.model(input_ids=ids).logits[:, -1].float())[0]
-        w = warp(logits, params)
-        for t in torch.nonzero(w).flatten().tolist():
-            walk(prefix + [t], p * float(w[t]))
-
-    walk([], 1.0)
-    assert len(probs) >= 30  # the test distribution is not degenerate
-    n, samples, deep = 1500, Counter(), 0
-    eng = SpecEngine(target, DeepPeek(target), TreeConfig(top_k=2, depth=3, total_tokens=10))
-    for s in range(n):
-        g = eng.generate(req, params.model_copy(update={"seed": s}), max_new_tokens=5)
-        samples[tuple(g.token_ids)] += 1
-        deep += max(g.stats.accepted_per_cycle) >= 2
-    assert deep > n // 5  # paths of two or more draft tokens were really accepted
-    stat, df = chi2_stat(samples, probs, n)
-    assert stat < chi2_critical(df), f"chi2 {stat:.1f} > {chi2_critical(df):.1f} (df {df})"
+    check_deep_sampling(wrap(*tiny_llava(init=0.08)), params, process=RepetitionPenaltyLogitsProcessor(1.5))

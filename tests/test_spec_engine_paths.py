@@ -181,11 +181,9 @@ class DeepPeek:
         self.ids += tokens[1:] + [bonus]
 
 
-def test_deep_tree_sampling_output_distribution_equals_the_target():
-    """5-token answers through 4-deep dynamic trees (top-k 2 per node) vs the exact warped target distribution
-    (T 0.8, top-k 3, top-p 0.9), chi-square at p = 1e-4 over 1,500 samples."""
-    target = wrap(*tiny_llava(init=0.08))  # flatter logits: several tokens per step carry real mass
-    params = SamplingParams(temperature=0.8, top_k=3, top_p=0.9)
+def check_deep_sampling(target, params: SamplingParams, process=None, n: int = 1500) -> None:
+    """5-token answers through 4-deep dynamic trees (top-k 2 per node) vs the exact distribution of the target's
+    logits after `process(ids, logits)` (default: none) and `warp`, chi-square at p = 1e-4 over `n` samples."""
     req = Request(prompt="describe the image")
     prompt = target.encode(req)["input_ids"][0].tolist()
     probs: dict[tuple[int, ...], float] = {}
@@ -194,14 +192,16 @@ def test_deep_tree_sampling_output_distribution_equals_the_target():
         if len(prefix) == 5:
             probs[tuple(prefix)] = p
             return
+        ids = torch.tensor([prompt + prefix])
         with torch.inference_mode():
-            w = warp(target.model(input_ids=torch.tensor([prompt + prefix])).logits[0, -1], params)
+            logits = target.model(input_ids=ids).logits[:, -1].float()
+        w = warp((process(ids, logits) if process else logits)[0], params)
         for t in torch.nonzero(w).flatten().tolist():
             walk(prefix + [t], p * float(w[t]))
 
     walk([], 1.0)
     assert len(probs) >= 30  # the test distribution is not degenerate
-    n, samples, deep = 1500, Counter(), 0
+    samples, deep = Counter(), 0
     eng = SpecEngine(target, DeepPeek(target), TreeConfig(top_k=2, depth=3, total_tokens=10))
     for s in range(n):
         g = eng.generate(req, params.model_copy(update={"seed": s}), max_new_tokens=5)
@@ -210,6 +210,12 @@ def test_deep_tree_sampling_output_distribution_equals_the_target():
     assert deep > n // 5  # paths of two or more draft tokens were really accepted (about half the runs)
     stat, df = chi2_stat(samples, probs, n)
     assert stat < chi2_critical(df), f"chi2 {stat:.1f} > {chi2_critical(df):.1f} (df {df})"
+
+
+def test_deep_tree_sampling_output_distribution_equals_the_target():
+    """T 0.8, top-k 3, top-p 0.9 through deep dynamic trees (check_deep_sampling)."""
+    target = wrap(*tiny_llava(init=0.08))  # flatter logits: several tokens per step carry real mass
+    check_deep_sampling(target, SamplingParams(temperature=0.8, top_k=3, top_p=0.9))
 
 
 def test_near_ties_left_to_one_token_forwards_keep_the_answer(target):
