@@ -95,8 +95,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
     drafter = load_drafter(resolve_drafter(a.drafter, a.target), target)
     images = (load_image(a.image),) if a.image else ()
     videos = (tuple(load_video(a.video, a.num_frames or video_frames_for(path)).frames),) if a.video else ()
-    g = SpecEngine(target, drafter, tree).generate(Request(prompt=a.prompt, images=images, videos=videos), sampling,
-                                                   max_new_tokens=a.max_new_tokens)
+    engine = SpecEngine(target, drafter, tree, tie_margin=a.tie_margin)
+    request = Request(prompt=a.prompt, images=images, videos=videos)
+    g = engine.generate(request, sampling, max_new_tokens=a.max_new_tokens)
     print(g.text)
     st = g.stats
     log.info("%d tokens (%s) in %.2f s; %d target forwards, %.2f accepted draft tokens per cycle",
@@ -222,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-p", type=float, default=None)
     gen.add_argument("--repetition-penalty", type=float, default=None,
                      help="1 disables; default: the checkpoint's generation config")
+    gen.add_argument("--tie-margin", type=float, default=None,
+                     help="bfloat16/float16: relative top-2 logit gap under which a greedy token is re-decided by a "
+                     "one-token forward (default: per dtype; 0: off; docs/engine.md, Precision)")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--drafter", default=None,
                      help="none (plain AR), ngram, a drafter checkpoint directory, or eagle2 / msd with a toy target")

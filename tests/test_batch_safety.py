@@ -83,13 +83,17 @@ def test_resume_with_other_settings_is_refused_naming_the_difference(tmp_path):
     claim(loc(sampled), GREEDY | {"temperature": 0.7}, "in")
     with pytest.raises(JobInputError, match=r"drafter: 'ngram' -> 'eagle2'"):  # sampling: the drafter shows
         claim(loc(sampled), GREEDY | {"temperature": 0.7, "drafter": "eagle2"}, "in")
+    half = tmp_path / "half"  # bfloat16: a drafter (or the tie margin) can change greedy text, so it shows too
+    claim(loc(half), GREEDY | {"dtype": "bfloat16"}, "in")
+    with pytest.raises(JobInputError, match=r"drafter: 'ngram' -> 'eagle2'"):
+        claim(loc(half), GREEDY | {"dtype": "bfloat16", "drafter": "eagle2"}, "in")
 
 
 def test_decode_config_records_every_text_setting():
     cfg = DecodeConfig(target="/m", temperature=0.5, max_new_tokens=9, media={"num_frames": 4})
     s = cfg.text_settings()
-    assert {"target", "drafter", "dtype", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
-            "max_new_tokens", "stop", "default_prompt", "media", "tree"} == set(s)
+    assert {"target", "drafter", "dtype", "tie_margin", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+            "seed", "max_new_tokens", "stop", "default_prompt", "media", "tree"} == set(s)
     assert s["media"]["num_frames"] == 4 and "device" not in s and "s3" not in s
 
 

@@ -50,7 +50,7 @@ class SpecDecoder:
         t0 = time.perf_counter()
         self.target = load_target(cfg.target, self.device, self.dtype, s3=cfg.s3)
         self.drafter = load_drafter(cfg.drafter, self.target, device=self.device)
-        self.engine = SpecEngine(self.target, self.drafter, cfg.tree)
+        self.engine = SpecEngine(self.target, self.drafter, cfg.tree, tie_margin=cfg.tie_margin)
         self.progress = progress  # optional ProgressTracker actor handle
         self.max_row_crashes = max_row_crashes  # with `progress`: file a row that killed this many decoders
         self.load_seconds = time.perf_counter() - t0

@@ -39,7 +39,7 @@ MARKER_FORMAT = 1
 _READ_TRIES = 4  # a transiently failing part read: 4 tries over ~7 s, then the job stops (deleting nothing)
 # Settings that may differ on a resume when decoding is greedy: they change speed (or unused sampling knobs),
 # never the text.
-GREEDY_FREE = ("drafter", "tree", "top_p", "top_k", "min_p", "seed")
+GREEDY_FREE = ("drafter", "tree", "tie_margin", "top_p", "top_k", "min_p", "seed")
 
 
 class PartNames(FilenameProvider):
@@ -116,8 +116,10 @@ def claim(loc: Location, settings: dict[str, Any], input_uri: str, overwrite: bo
 
 
 def settings_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """`key: old -> new` for every setting that differs and can change the output text."""
-    greedy = old.get("temperature", 0.0) == 0.0 and new.get("temperature", 0.0) == 0.0
+    """`key: old -> new` for every setting that differs and can change the output text. The drafter, tree and
+    sampling knobs cannot at temperature 0 in float32; in half precision a drafter can (docs/engine.md, Precision)."""
+    greedy = (old.get("temperature", 0.0) == 0.0 and new.get("temperature", 0.0) == 0.0
+              and old.get("dtype", "float32") == new.get("dtype", "float32") == "float32")
     out = []
     for key in sorted(set(old) | set(new)):
         if greedy and key in GREEDY_FREE:

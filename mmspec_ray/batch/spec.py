@@ -59,6 +59,9 @@ class DecodeConfig(BaseModel):
     device: str = Field("auto", description='"auto" (cuda when the actor has a GPU), "cpu", "cuda", "cuda:1" ...')
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     tree: TreeConfig = TreeConfig()
+    tie_margin: float | None = Field(None, ge=0.0, description=(
+        "half precision: relative top-2 logit gap under which a greedy token is re-decided by a one-token forward "
+        "(None: the engine's per-dtype default; 0: off; docs/engine.md, Precision)"))
     temperature: float = Field(0.0, ge=0.0, description="0: greedy (the default: one deterministic answer per row)")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="None: the checkpoint's generation config")
     top_k: int | None = Field(None, ge=0, description="None: the checkpoint's generation config (HF's default 50)")
@@ -76,8 +79,8 @@ class DecodeConfig(BaseModel):
         """What decides the output text, recorded in the output's marker: a resume must match it (drafter, tree
         and sampling knobs may change at temperature 0, where they cannot change the text)."""
         return self.model_dump(mode="json", include={
-            "target", "drafter", "dtype", "tree", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-            "seed", "max_new_tokens", "stop",
+            "target", "drafter", "dtype", "tree", "tie_margin", "temperature", "top_p", "top_k", "min_p",
+            "repetition_penalty", "seed", "max_new_tokens", "stop",
             "default_prompt", "media"})
 
     def sampling_for(self, row_id: object) -> SamplingParams:
