@@ -1,6 +1,8 @@
 """What the half-precision tie guard costs on a trained target (docs/engine.md, Precision): for each tie margin, the
 share of verify cycles that end at a near-tie, tokens per target forward, and how many greedy answers equal AR's,
-with the toy world's EAGLE-2 drafter on held-out toy prompts, the target in bfloat16.
+on held-out toy prompts, the target in bfloat16. `--drafter random` (default): an untrained EAGLE-2 drafter, whose
+wide trees make every cycle a multi-node forward (the near-tie share is the target's, whatever the drafter
+guesses); `--drafter eagle2`: the toy world's trained drafter (trained on first use).
 
     MMSPEC_HOME=... python scripts/tie_guard_cost.py --target toy-s --prompts 24 --max-new-tokens 64
 """
@@ -14,6 +16,7 @@ import time
 import torch
 
 from mmspec_ray.drafters.base import load_drafter
+from mmspec_ray.drafters.eagle import Eagle2Drafter
 from mmspec_ray.spec.engine import AREngine, SpecEngine
 from mmspec_ray.spec.tree import TreeConfig
 from mmspec_ray.targets import load_target
@@ -29,17 +32,19 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=24)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--margins", default="0,0.0078125,0.03125,0.125")
+    p.add_argument("--drafter", default="random", choices=["random", "eagle2"])
     a = p.parse_args()
     torch.set_num_threads(2)
     world = build_toy(a.target)
     target = load_target(world.target, dtype=a.dtype)
-    drafter_dir = str(build_toy_drafter(a.target, "eagle2"))  # trained on first use
+    drafter_dir = str(build_toy_drafter(a.target, "eagle2")) if a.drafter == "eagle2" else None
     requests = list(toy_requests(world, "test", a.prompts, seed=0))
     tree = TreeConfig(top_k=4, depth=5, total_tokens=16)
     ar = [AREngine(target).generate(r, max_new_tokens=a.max_new_tokens).token_ids for r in requests]
     rows = []
     for margin in (float(m) for m in a.margins.split(",")):
-        engine = SpecEngine(target, load_drafter(drafter_dir, target), tree, tie_margin=margin)
+        drafter = load_drafter(drafter_dir, target) if drafter_dir else Eagle2Drafter.random(target, seed=0)
+        engine = SpecEngine(target, drafter, tree, tie_margin=margin)
         t0 = time.perf_counter()
         gens = [engine.generate(r, max_new_tokens=a.max_new_tokens) for r in requests]
         cycles = sum(g.stats.cycles for g in gens)
