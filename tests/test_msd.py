@@ -211,3 +211,29 @@ def test_msd_sampling_output_distribution_equals_the_target(tmp_path):
     assert accepted > n // 4  # the trained drafter's proposals are really accepted, not all rejected
     stat, df = chi2_stat(samples, probs, n)
     assert stat < chi2_critical(df), f"chi2 {stat:.1f} > {chi2_critical(df):.1f} (df {df})"
+
+
+def test_bench_runs_several_drafters_in_one_interleaved_run(tmp_path):
+    """`mmspec bench --drafter eagle2,msd,LABEL=DIR`: every drafter runs on every prompt beside AR, and is summarised
+    with its τ and its draft / verify time per cycle."""
+    from mmspec_ray.bench.run import BenchConfig, run_bench, to_markdown
+    from mmspec_ray.cli import UsageError, bench_drafters
+    from mmspec_ray.drafters.eagle import Eagle2Drafter
+
+    assert bench_drafters("eagle2,msd,abl=/x/ckpt,/y/msd-2") == {"eagle2": "eagle2", "msd": "msd", "abl": "/x/ckpt",
+                                                                "msd-2": "/y/msd-2"}
+    assert bench_drafters("") == {}
+    for bad in ("eagle2,eagle2", "oracle=/x"):
+        with pytest.raises(UsageError, match="is taken"):
+            bench_drafters(bad)
+    target = wrap(*tiny_llava(init=0.3))
+    Eagle2Drafter.random(target, seed=1).head.save(tmp_path / "e")
+    MSDDrafter.random(target, seed=1).head.save(tmp_path / "m")
+    req = Request(prompt="describe the image", images=tuple(random_images(1, seed=3)))
+    cfg = BenchConfig(prompts=1, max_new_tokens=8, repeats=1, temperatures=(0.0,), tree=TreeConfig(top_k=2, depth=2,
+                                                                                                  total_tokens=6))
+    res = run_bench(target, [req], {"eagle2": str(tmp_path / "e"), "msd": str(tmp_path / "m")}, cfg)
+    rows = res["summary"]["0.0"]
+    assert {"ar", "eagle2", "msd"} <= set(rows)
+    assert all(rows[m]["draft_ms_per_cycle"] > 0 and rows[m]["verify_ms_per_cycle"] > 0 for m in ("eagle2", "msd"))
+    assert "| msd |" in to_markdown(res, "tiny") and "draft ms/cycle" in to_markdown(res, "tiny")
