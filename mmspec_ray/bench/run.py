@@ -187,6 +187,7 @@ def to_markdown(results: dict, title: str) -> str:
 
             def ms(kind: str, r=r) -> str:
                 return f"{r[kind + '_ms_per_cycle']:.1f}" if kind + "_ms_per_cycle" in r else "-"
+
             dec = f"{r['decode_speedup_median']:.2f}x" if "decode_speedup_median" in r else "-"
             lines.append(f"| {m} | {r['prompts']} | {r['speedup_median']:.2f}x | {r['speedup_min']:.2f}-{r['speedup_max']:.2f} | "
                          f"{dec} | {r['tokens_per_s']:.1f} | {acc} | {tpf} | {ms('draft')} | {ms('verify')} |")
