@@ -236,4 +236,5 @@ def test_bench_runs_several_drafters_in_one_interleaved_run(tmp_path):
     rows = res["summary"]["0.0"]
     assert {"ar", "eagle2", "msd"} <= set(rows)
     assert all(rows[m]["draft_ms_per_cycle"] > 0 and rows[m]["verify_ms_per_cycle"] > 0 for m in ("eagle2", "msd"))
+    assert all(0 < rows[m]["drafter_prefill_ms"] for m in ("eagle2", "msd"))  # the drafter's begin, per request
     assert "| msd |" in to_markdown(res, "tiny") and "draft ms/cycle" in to_markdown(res, "tiny")

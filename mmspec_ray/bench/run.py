@@ -69,7 +69,8 @@ def _engine_runner(engine: SpecEngine, req: Request, max_new_tokens: int,
         g = engine.generate(req, sampling, max_new_tokens=max_new_tokens)
         st = g.stats
         return len(g.token_ids), {"accepted": sum(st.accepted_per_cycle), "cycles": st.cycles, "prefill_s": st.prefill_s,
-                                  "draft_s": st.draft_s, "verify_s": st.verify_s, "overhead_s": st.overhead_s}
+                                  "draft_s": st.draft_s, "verify_s": st.verify_s, "overhead_s": st.overhead_s,
+                                  "drafter_prefill_s": st.drafter_prefill_s}
 
     return run
 
@@ -159,7 +160,8 @@ def summarize(runs: list[dict]) -> dict:
                 row.update(accepted_per_cycle=acc, tokens_per_forward=acc + 1)
                 ncyc = max(1, sum(r["cycles"] for r in mr))  # draft time includes the drafter's begin (its prefill)
                 row.update(draft_ms_per_cycle=1e3 * sum(r["draft_s"] for r in mr) / ncyc,
-                           verify_ms_per_cycle=1e3 * sum(r["verify_s"] for r in mr) / ncyc)
+                           verify_ms_per_cycle=1e3 * sum(r["verify_s"] for r in mr) / ncyc,
+                           drafter_prefill_ms=1e3 * statistics.mean(r.get("drafter_prefill_s", 0.0) for r in mr))
                 dec = [decode_per_token("ar", p) / decode_per_token(m, p) for p in mine]
                 row["decode_speedup_median"] = statistics.median(dec)
                 if m == "oracle":
@@ -179,8 +181,8 @@ def to_markdown(results: dict, title: str) -> str:
     for temp, table in results["summary"].items():
         lines += [f"T = {temp}", "",
                   "| method | prompts | speedup vs AR per token (median) | min-max | decode-only speedup | tokens/s | "
-                  "accepted/cycle | tokens/forward | draft ms/cycle | verify ms/cycle |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "accepted/cycle | tokens/forward | draft ms/cycle | verify ms/cycle | drafter prefill ms/request |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for m, r in table.items():
             acc = f"{r['accepted_per_cycle']:.2f}" if "accepted_per_cycle" in r else "-"
             tpf = f"{r['tokens_per_forward']:.2f}" if "tokens_per_forward" in r else "-"
@@ -190,10 +192,11 @@ def to_markdown(results: dict, title: str) -> str:
 
             dec = f"{r['decode_speedup_median']:.2f}x" if "decode_speedup_median" in r else "-"
             lines.append(f"| {m} | {r['prompts']} | {r['speedup_median']:.2f}x | {r['speedup_min']:.2f}-{r['speedup_max']:.2f} | "
-                         f"{dec} | {r['tokens_per_s']:.1f} | {acc} | {tpf} | {ms('draft')} | {ms('verify')} |")
+                         f"{dec} | {r['tokens_per_s']:.1f} | {acc} | {tpf} | {ms('draft')} | {ms('verify')} | "
+                         + (f"{r['drafter_prefill_ms']:.1f} |" if "drafter_prefill_ms" in r else "- |"))
             if r.get("efficiency") is not None:
                 lines.append(f"| (oracle: ideal {r['ideal_speedup']:.2f}x, efficiency {r['efficiency']:.0%} of it, decode-only) |"
-                             " | | | | | | | | |")
+                             " | | | | | | | | | |")
         lines.append("")
     for e in results.get("errors", []):
         lines.append(f"- not measured: {e['method']} at T={e['temperature']} on prompt {e['prompt']}: {e['error']}")

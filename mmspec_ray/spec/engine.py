@@ -78,7 +78,8 @@ class SpecEngine:
             return self._finish(tracker, stats, t0)
         td = time.perf_counter()
         d.begin(t, out, root)
-        stats.draft_s += time.perf_counter() - td
+        stats.drafter_prefill_s = time.perf_counter() - td
+        stats.draft_s += stats.drafter_prefill_s
         single = False  # the next cycle verifies the root alone (a near-tie left to a one-token forward)
         while True:
             td = time.perf_counter()

@@ -17,7 +17,8 @@ class GenerationStats:
     accepted_per_cycle: list[int] = field(default_factory=list)  # accepted draft tokens per cycle (bonus excluded)
     tie_cycles: int = 0  # cycles that ended at a half-precision near-tie, without a bonus (spec/accept.py)
     prefill_s: float = 0.0
-    draft_s: float = 0.0
+    draft_s: float = 0.0  # the drafter's time: its begin (drafter_prefill_s) + proposing + observing
+    drafter_prefill_s: float = 0.0  # the drafter's begin: its own pass over the prompt, once per request
     verify_s: float = 0.0
     overhead_s: float = 0.0  # acceptance, cache commit, bookkeeping
     total_s: float = 0.0
