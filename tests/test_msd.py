@@ -178,6 +178,7 @@ def test_msd_sampling_output_distribution_equals_the_target(tmp_path):
     from mmspec_ray.spec.sampling import warp
     from mmspec_ray.training.datagen import extend_inputs
     from test_spec_accept import chi2_critical, chi2_stat
+    from test_spec_engine import three_token_distribution
 
     target = wrap(*tiny_llava(init=0.08))  # flatter logits: several tokens per step carry real mass
     req = Request(prompt="describe the image", images=tuple(random_images(1, seed=7)))
@@ -192,14 +193,7 @@ def test_msd_sampling_output_distribution_equals_the_target(tmp_path):
         with torch.inference_mode():
             return warp(target.model(**extend_inputs(inputs, prefix)).logits[0, -1], params)
 
-    probs: dict[tuple[int, ...], float] = {}
-    p1 = dist([])
-    for a in torch.nonzero(p1).flatten().tolist():
-        p2 = dist([a])
-        for b in torch.nonzero(p2).flatten().tolist():
-            p3 = dist([a, b])
-            for c in torch.nonzero(p3).flatten().tolist():
-                probs[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+    probs = three_token_distribution(dist)
     assert len(probs) >= 8
     n = 1500
     eng = SpecEngine(target, d, TreeConfig(top_k=3, depth=2, total_tokens=8))

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 
 import numpy as np
@@ -137,6 +136,19 @@ class PeekDrafter:
         self.ids += tokens[1:] + [bonus]
 
 
+def three_token_distribution(dist) -> dict[tuple[int, ...], float]:
+    """Exact probability of every 3-token answer, from `dist(prefix) -> [V]` next-token probabilities."""
+    probs: dict[tuple[int, ...], float] = {}
+    p1 = dist([])
+    for a in torch.nonzero(p1).flatten().tolist():
+        p2 = dist([a])
+        for b in torch.nonzero(p2).flatten().tolist():
+            p3 = dist([a, b])
+            for c in torch.nonzero(p3).flatten().tolist():
+                probs[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+    return probs
+
+
 def test_sampling_output_distribution_equals_the_target(tmp_path):
     """3-token answers from SpecEngine vs the exact warped target distribution (top-k 4, top-p 0.9, T 0.8), by a
     chi-square test at p = 1e-4 over 1,500 samples."""
@@ -151,14 +163,7 @@ def test_sampling_output_distribution_equals_the_target(tmp_path):
         with torch.inference_mode():
             return warp(target.model(input_ids=torch.tensor([prompt_ids + prefix])).logits[0, -1], params)
 
-    probs: dict[tuple[int, ...], float] = {}
-    p1 = dist([])
-    for a in torch.nonzero(p1).flatten().tolist():
-        p2 = dist([a])
-        for b in torch.nonzero(p2).flatten().tolist():
-            p3 = dist([a, b])
-            for c in torch.nonzero(p3).flatten().tolist():
-                probs[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+    probs = three_token_distribution(dist)
     assert len(probs) >= 8  # the test distribution is not degenerate
     n = 1500
     eng = SpecEngine(target, PeekDrafter(target), TreeConfig(top_k=3, depth=1, total_tokens=4))
