@@ -14,7 +14,7 @@ from mmspec_ray.spec.engine import AREngine, SpecEngine
 from mmspec_ray.spec.tree import TreeConfig
 from mmspec_ray.targets import Request, wrap
 from mmspec_ray.training.datagen import DatagenRecipe, generate_features, load_features
-from mmspec_ray.training.trainer import TrainConfig, train_eagle2
+from mmspec_ray.training.trainer import TrainConfig, train_drafter
 from tiny import random_images, tiny_llava
 
 
@@ -48,12 +48,13 @@ def test_datagen_stores_the_targets_own_answers_and_features(target, tmp_path):
 def test_training_lowers_the_loss_checkpoints_resume_and_stay_lossless(target, tmp_path):
     feats = load_features(generate_features(target, reqs(16), DatagenRecipe(max_new_tokens=16), tmp_path / "f"))
     cfg = TrainConfig(epochs=2, batch_size=4, lr=3e-3, warmup_steps=2, eval_max_new_tokens=8)
-    out = train_eagle2(target, feats, tmp_path / "d", cfg, heldout=reqs(2, offset=100))
+    out = train_drafter("eagle2", target, feats, tmp_path / "d", cfg, heldout=reqs(2, offset=100))
     hist = json.loads((out / "history.json").read_text())
     assert [h["epoch"] for h in hist] == [1, 2] and all(0 <= h["heldout_tau"] <= TreeConfig().depth for h in hist)
     assert (out / "config.json").exists() and (out / "model.safetensors").exists()
     # resume: asking for 4 epochs continues from epoch 2
-    out = train_eagle2(target, feats, tmp_path / "d", cfg.model_copy(update={"epochs": 4}), heldout=reqs(2, 100))
+    out = train_drafter("eagle2", target, feats, tmp_path / "d", cfg.model_copy(update={"epochs": 4}),
+                        heldout=reqs(2, 100))
     hist = json.loads((out / "history.json").read_text())
     assert [h["epoch"] for h in hist] == [1, 2, 3, 4]
     assert hist[-1]["loss"] < hist[0]["loss"]

@@ -88,9 +88,11 @@ class SpecEngine:
                 d.propose(root, self._fit(room)).truncate(tracker.remaining - 1)  # deeper: never emitted
                 .head(room))  # the verified tree must fit the context
             tv = time.perf_counter()
-            v = t.verify(tree.tokens, tree.ancestors, tree.depth)
+            ancestors = tree.ancestors  # [n, n] the tree mask, also each node's history for the processors
+            v = t.verify(tree.tokens, ancestors, tree.depth)
             ta = time.perf_counter()
-            path, bonus = accept(tree, history.tree_logits(v.logits[0], tree), sampling, gen, self.tie_margin)
+            logits = history.tree_logits(v.logits[0], tree.tokens, ancestors)
+            path, bonus = accept(tree, logits, sampling, gen, self.tie_margin)
             single = bonus is None  # near-tie after path[-1]: keep what precedes it, re-verify it alone
             keep, nxt = (path[:-1], int(tree.tokens[path[-1]])) if single else (path, bonus)
             t.commit(keep)

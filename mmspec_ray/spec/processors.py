@@ -25,7 +25,6 @@ from transformers import (
 )
 
 from mmspec_ray.config import SamplingParams
-from mmspec_ray.spec.tree import DraftTree
 
 # generation config settings this engine cannot apply losslessly, with the value at which HF leaves them off
 # (None always means off)
@@ -119,14 +118,13 @@ class HistoryProcessors:
         """[V] logits after the committed history (the prefill's last position)."""
         return self._apply(self.history, logits) if self.procs else logits
 
-    def tree_logits(self, logits: torch.Tensor, tree: DraftTree) -> torch.Tensor:
-        """[n, V] logits of a verified tree, node i processed with history + the path root..i (the root is the
-        last committed token, not yet in `history`)."""
+    def tree_logits(self, logits: torch.Tensor, tokens: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+        """[n, V] logits of a verified tree (tokens [n], ancestors [n, n] bool: row i is i and its ancestors), node
+        i processed with history + the path root..i (the root is the last committed token, not yet in `history`)."""
         if not self.procs:
             return logits
         out = logits.float().clone()
-        tokens = tree.tokens.to(self.history.device)
-        ancestors = tree.ancestors.to(self.history.device)  # row i: i and its ancestors (index order = path order)
-        for i in range(tree.size):
+        tokens, ancestors = tokens.to(self.history.device), ancestors.to(self.history.device)
+        for i in range(tokens.shape[0]):  # parents precede children: index order is path order
             out[i] = self._apply(torch.cat([self.history, tokens[ancestors[i]]]), logits[i])
         return out

@@ -24,11 +24,11 @@ from mmspec_ray.spec.engine import SpecEngine
 from mmspec_ray.spec.tree import TreeConfig
 from mmspec_ray.targets.base import Request, VLMTarget
 from mmspec_ray.training.datagen import FeatureExample
-from mmspec_ray.training.methods import TrainingMethod, causal_pad_mask, eagle_collate, training_method
+from mmspec_ray.training.methods import TrainingMethod, training_method
 from mmspec_ray.training.schedule import StageSchedule
 
 log = logging.getLogger(__name__)
-__all__ = ["TrainConfig", "train_drafter", "train_eagle2", "heldout_tau", "causal_pad_mask", "collate"]
+__all__ = ["TrainConfig", "train_drafter", "heldout_tau", "stage_schedule"]
 
 
 class TrainConfig(BaseModel):
@@ -44,12 +44,6 @@ class TrainConfig(BaseModel):
     eval_max_new_tokens: int = 96
     text_epochs: int | None = Field(None, ge=0, description="stage-1 (text-only) epochs; None: the method's default")
     gradual: bool = True  # stage 2 ramps the multimodal share linearly (False: all multimodal at once)
-
-
-def collate(examples: list[FeatureExample], idx: list[int], noise: float, gen: torch.Generator):
-    """EAGLE-2's batch as a tuple (emb, feat, tgt, loss_mask, valid); see `methods.eagle_collate`."""
-    b = eagle_collate(examples, idx, noise, gen)
-    return b["emb"], b["feat"], b["tgt"], b["loss_mask"], b["valid"]
 
 
 def stage_schedule(method: TrainingMethod, cfg: TrainConfig) -> StageSchedule:
@@ -145,8 +139,3 @@ def train_drafter(method: str | TrainingMethod, target: VLMTarget, examples: lis
         (out / "history.json").write_text(json.dumps(history, indent=2))
     return out
 
-
-def train_eagle2(target: VLMTarget, examples: list[FeatureExample], out_dir: str | Path, cfg: TrainConfig,
-                 heldout: list[Request] = (), tree: TreeConfig | None = None, resume: bool = True) -> Path:
-    """`train_drafter("eagle2", ...)`."""
-    return train_drafter("eagle2", target, examples, out_dir, cfg, heldout, tree, resume)
