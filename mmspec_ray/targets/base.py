@@ -34,6 +34,30 @@ class PromptTooLong(TargetError):
     """Prompt + max_new_tokens exceed the target's context (callers report it as its own error kind)."""
 
 
+def media_runs(media: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, end) of each contiguous run of True in a 1-D bool mask, in order."""
+    m = media.to(torch.int8).cpu()
+    edges = torch.diff(torch.cat([m.new_zeros(1), m, m.new_zeros(1)]))
+    starts = torch.nonzero(edges == 1).flatten().tolist()
+    ends = torch.nonzero(edges == -1).flatten().tolist()
+    return list(zip(starts, ends))
+
+
+def split_run(start: int, end: int, parts: int) -> list[tuple[int, int]]:
+    """A run of media positions cut into `parts` equal pieces (any remainder joins the last: a trailing newline)."""
+    size = max(1, (end - start) // max(1, parts))
+    cuts = [start + i * size for i in range(max(1, parts))] + [end]
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+def segment_ids(n: int, pieces: list[tuple[int, int]], device: torch.device | str = "cpu") -> torch.Tensor:
+    """[1, n] long: the index of the piece each position lies in, -1 outside every piece."""
+    seg = torch.full((1, n), -1, dtype=torch.long, device=device)
+    for i, (a, b) in enumerate(pieces):
+        seg[0, a:b] = i
+    return seg
+
+
 def id_set(src: int | list[int] | tuple[int, ...] | None) -> set[int]:
     """A config's token id field (an id, a list of ids or None) as a set."""
     return set() if src is None else set(src) if isinstance(src, (list, tuple)) else {src}
@@ -63,6 +87,9 @@ class TargetOutput:
     input_ids: torch.Tensor | None = None  # [1, n]
     inputs_embeds: torch.Tensor | None = None  # [1, n, d] prefill only: token embeddings with media merged in
     media_mask: torch.Tensor | None = None  # [1, n] bool prefill only: True at image/video token positions
+    # [1, n] long prefill only: which image or video frame (0, 1, ... in prompt order) each media position belongs to,
+    # -1 at text positions (`VLMTarget.media_pieces`; drafters that treat each image / frame apart read it)
+    media_segments: torch.Tensor | None = None
 
 
 class VLMTarget:
@@ -127,6 +154,20 @@ class VLMTarget:
             if isinstance(v, int):
                 ids.add(v)
         return ids
+
+    def media_mask_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """Bool mask of the media placeholder positions of `ids` (any shape)."""
+        media = torch.zeros_like(ids, dtype=torch.bool)
+        for t in self.media_token_ids:
+            media |= ids == t
+        return media
+
+    def media_pieces(self, ids: torch.Tensor, inputs: dict[str, Any] | None = None) -> list[tuple[int, int]]:
+        """(start, end) of each image's or video frame's media positions in `ids` [n], in prompt order. Default:
+        every contiguous run of media tokens is one image (families that put text between images and frames).
+        Families whose frames or images sit back to back override it; `inputs` (the encoded prompt) is given at
+        prefill, None when only ids are known (stored training features)."""
+        return media_runs(self.media_mask_of(ids))
 
     # ---------- request -> model inputs ----------
     def chat_content(self, request: Request) -> list[dict]:
@@ -201,9 +242,7 @@ class VLMTarget:
         self.seq_len = ids.shape[1]
         self.next_pos = self.after_prefill_position(inputs)
         self.check_prefill(out)
-        media = torch.zeros_like(ids, dtype=torch.bool)
-        for t in self.media_token_ids:
-            media |= ids == t
+        media = self.media_mask_of(ids)
         return TargetOutput(
             logits=out.logits.float(),
             hidden=out.hidden_states[-1],
@@ -211,6 +250,7 @@ class VLMTarget:
             input_ids=ids,
             inputs_embeds=out.hidden_states[0],
             media_mask=media,
+            media_segments=segment_ids(ids.shape[1], self.media_pieces(ids[0], inputs), ids.device),
         )
 
     def after_prefill_position(self, inputs: dict[str, Any]) -> int:

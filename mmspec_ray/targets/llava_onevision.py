@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from mmspec_ray.targets.base import Request, TargetError, VLMTarget
+import torch
+
+from mmspec_ray.targets.base import Request, TargetError, VLMTarget, media_runs, split_run
 from mmspec_ray.targets.llava_next import check_processor_parts
 
 
@@ -41,6 +43,18 @@ class LlavaOnevisionTarget(VLMTarget):
         if request.videos:
             kw["videos"] = [list(clip) for clip in request.videos]
         return dict(self.processor(**kw))
+
+    def media_pieces(self, ids: torch.Tensor, inputs: dict[str, Any] | None = None) -> list[tuple[int, int]]:
+        """A clip is one run of video tokens: its frames (equal pooled grids) back to back, then one newline
+        token, which joins the last frame. Images: one run each. Without `inputs` (stored features) the frame
+        count is unknown and a clip stays one piece."""
+        frames = inputs.get("pixel_values_videos") if inputs else None
+        video = ids == self.config.video_token_id
+        out: list[tuple[int, int]] = []
+        for a, b in media_runs(self.media_mask_of(ids)):
+            n = int(frames.shape[1]) if frames is not None and bool(video[a]) else 1
+            out += split_run(a, b, n) if n > 1 and (b - a - 1) % n == 0 else [(a, b)]
+        return out
 
 
 ADAPTERS = (LlavaOnevisionTarget,)

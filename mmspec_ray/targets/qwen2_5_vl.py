@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from mmspec_ray.targets.base import Request, TargetError, TargetOutput, VLMTarget
+from mmspec_ray.targets.base import Request, TargetError, TargetOutput, VLMTarget, media_runs, split_run
 
 # transformers' smart_resize refuses frames whose long side is more than this many times the short side.
 MAX_ASPECT_RATIO = 200
@@ -55,6 +55,18 @@ class Qwen25VLTarget(VLMTarget):
         stale value from an earlier media request (or an HF `generate`) would otherwise be read back."""
         self._mrope_model().rope_deltas = None
         return super().prefill(inputs, logits_to_keep)
+
+    def media_pieces(self, ids: torch.Tensor, inputs: dict[str, Any] | None = None) -> list[tuple[int, int]]:
+        """A clip is one run of video tokens: `video_grid_thw` t temporal groups (two frames each) of h x w / 4
+        merged tokens, back to back; each group is one piece (the per-frame unit of this family). Images: one run
+        each. Without `inputs` (stored features) the group count is unknown and a clip stays one piece."""
+        grids = iter((inputs or {}).get("video_grid_thw", torch.zeros(0, 3)).tolist())
+        video = ids == self.config.video_token_id
+        out: list[tuple[int, int]] = []
+        for a, b in media_runs(self.media_mask_of(ids)):
+            n = int(next(grids, [1])[0]) if inputs is not None and bool(video[a]) else 1
+            out += split_run(a, b, n) if n > 1 and (b - a) % n == 0 else [(a, b)]
+        return out
 
     def after_prefill_position(self, inputs: dict[str, Any]) -> int:
         """Prompt length + the rope delta the model computed in this prefill (0 for a text-only prompt)."""
