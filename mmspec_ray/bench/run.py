@@ -70,6 +70,7 @@ def _engine_runner(engine: SpecEngine, req: Request, max_new_tokens: int,
         st = g.stats
         return len(g.token_ids), {"accepted": sum(st.accepted_per_cycle), "cycles": st.cycles, "prefill_s": st.prefill_s,
                                   "draft_s": st.draft_s, "verify_s": st.verify_s, "overhead_s": st.overhead_s,
+                                  "draft_passes": st.draft_passes,
                                   "drafter_prefill_s": st.drafter_prefill_s}
 
     return run
@@ -158,6 +159,10 @@ def summarize(runs: list[dict]) -> dict:
             if "cycles" in mr[0]:
                 acc = sum(r["accepted"] for r in mr) / max(1, sum(r["cycles"] for r in mr))
                 row.update(accepted_per_cycle=acc, tokens_per_forward=acc + 1)
+                passes = sum(r.get("draft_passes", 0) for r in mr)
+                if passes:  # τ per drafter forward (drafters that count their passes)
+                    row["accepted_per_pass"] = sum(r["accepted"] for r in mr) / passes
+                    row["passes_per_cycle"] = passes / max(1, sum(r["cycles"] for r in mr))
                 ncyc = max(1, sum(r["cycles"] for r in mr))  # draft time includes the drafter's begin (its prefill)
                 row.update(draft_ms_per_cycle=1e3 * sum(r["draft_s"] for r in mr) / ncyc,
                            verify_ms_per_cycle=1e3 * sum(r["verify_s"] for r in mr) / ncyc,
@@ -197,6 +202,10 @@ def to_markdown(results: dict, title: str) -> str:
             if r.get("efficiency") is not None:
                 lines.append(f"| (oracle: ideal {r['ideal_speedup']:.2f}x, efficiency {r['efficiency']:.0%} of it, decode-only) |"
                              " | | | | | | | | | |")
+        per_pass = [f"{m} {r['accepted_per_pass']:.2f} ({r['passes_per_cycle']:.2f} passes/cycle)"
+                    for m, r in table.items() if "accepted_per_pass" in r]
+        if per_pass:
+            lines += ["", "accepted draft tokens per drafter forward: " + ", ".join(per_pass)]
         lines.append("")
     for e in results.get("errors", []):
         lines.append(f"- not measured: {e['method']} at T={e['temperature']} on prompt {e['prompt']}: {e['error']}")

@@ -115,6 +115,7 @@ class Eagle2Drafter:
         self.kv: tuple[torch.Tensor, torch.Tensor] | None = None  # KV buffers [1, Hkv, capacity, hd]
         self.ctx_len = 0  # slots [0, ctx_len) hold accepted context; tree nodes use the slots after it
         self.last: torch.Tensor | None = None  # [1, d] draft output of the newest context entry
+        self.passes = 0  # decoder forwards made while proposing (one per tree level; the engine's τ per pass)
 
     @classmethod
     def load(cls, path: str | Path, target: "VLMTarget", device: str | None = None) -> "Eagle2Drafter":
@@ -181,6 +182,7 @@ class Eagle2Drafter:
                             S + n_prev)  # scratch slots after the context; overwritten by the next cycle
             hid.append(out[0])
             lvl.extend(levels)
+            self.passes += 1
             return torch.log_softmax(self.target.lm_head(out[0]).float(), -1).cpu()
 
         return grow_dynamic_tree(root, root_logp.cpu(), step, cfg)

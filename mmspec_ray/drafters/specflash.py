@@ -127,6 +127,7 @@ class SpecFlashDrafter(Eagle2Drafter):
             ids = prefill.input_ids[0]
             seg = segment_ids(ids.shape[0], target.media_pieces(ids), ids.device)
         x = self.head.sequence(nxt, feats, seg[0])
+        self.prefill_tokens = x.shape[0]  # the compressed prompt's length (the engine reports it per request)
         self.pending = x[-1:]
         if x.shape[0] > 1:
             self._run(x[:-1])

@@ -80,6 +80,7 @@ class SpecEngine:
         d.begin(t, out, root)
         stats.drafter_prefill_s = time.perf_counter() - td
         stats.draft_s += stats.drafter_prefill_s
+        passes0 = int(getattr(d, "passes", 0))  # the drafter's forward count (drafters that keep one)
         single = False  # the next cycle verifies the root alone (a near-tie left to a one-token forward)
         while True:
             td = time.perf_counter()
@@ -88,6 +89,7 @@ class SpecEngine:
                 d.propose(root, self._fit(room)).truncate(tracker.remaining - 1)  # deeper: never emitted
                 .head(room))  # the verified tree must fit the context
             tv = time.perf_counter()
+            stats.draft_passes = int(getattr(d, "passes", 0)) - passes0
             ancestors = tree.ancestors  # [n, n] the tree mask, also each node's history for the processors
             v = t.verify(tree.tokens, ancestors, tree.depth)
             ta = time.perf_counter()

@@ -15,6 +15,7 @@ class GenerationStats:
     prompt_tokens: int = 0
     cycles: int = 0  # target forwards after prefill
     accepted_per_cycle: list[int] = field(default_factory=list)  # accepted draft tokens per cycle (bonus excluded)
+    draft_passes: int = 0  # drafter forwards while proposing (a drafter's `passes` counter; 0: it keeps none)
     tie_cycles: int = 0  # cycles that ended at a half-precision near-tie, without a bonus (spec/accept.py)
     prefill_s: float = 0.0
     draft_s: float = 0.0  # the drafter's time: its begin (drafter_prefill_s) + proposing + observing
@@ -27,6 +28,11 @@ class GenerationStats:
     def mean_accepted(self) -> float:
         """τ as accepted draft tokens per cycle."""
         return sum(self.accepted_per_cycle) / max(1, len(self.accepted_per_cycle))
+
+    @property
+    def accepted_per_pass(self) -> float | None:
+        """τ as accepted draft tokens per drafter forward (the SpecFLASH paper's τ); None when not counted."""
+        return sum(self.accepted_per_cycle) / self.draft_passes if self.draft_passes else None
 
     @property
     def tokens_per_forward(self) -> float:
