@@ -149,6 +149,7 @@ class SpecFlashDrafter(Eagle2Drafter):
             return cartesian_tree(root, logp, cfg.top_k, cfg.total_tokens - 1)
         return DraftTree.chain([root] + logp.argmax(-1).tolist())
 
+    @torch.inference_mode()
     def slot_logprobs(self, k: int) -> torch.Tensor:
         """Run [queued entries; k-1 placeholders] in one decoder forward after the context; commit the entries'
         KV (the placeholders' slots are scratch) and return the k slots' draft log-probs [k, V] on the host."""

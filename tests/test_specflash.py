@@ -1,0 +1,268 @@
+"""SpecFLASH (issue 20): C learnable queries attention-pool each image / video frame of every family; one drafter
+forward drafts K tokens (slot j predicts token x_{n+2+j}); training's placeholder expansion computes exactly what
+inference drafts; training lowers the loss and resumes; a briefly trained drafter, chain or tree, stays lossless
+greedy on every family and in distribution when sampling."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from mmspec_ray.config import SamplingParams
+from mmspec_ray.drafters.base import load_drafter
+from mmspec_ray.drafters.specflash import (SpecFlashConfig, SpecFlashDrafter, SpecFlashHead, cartesian_tree,
+                                           compressed_count)
+from mmspec_ray.spec.engine import AREngine, SpecEngine
+from mmspec_ray.spec.tree import TreeConfig
+from mmspec_ray.targets import Request, wrap
+from mmspec_ray.targets.base import TargetOutput
+from mmspec_ray.training.datagen import DatagenRecipe, generate_features, load_features
+from mmspec_ray.training.methods import SpecFlashMethod, training_method
+from mmspec_ray.training.specflash import expand_example, layer_inputs
+from mmspec_ray.training.trainer import TrainConfig, train_drafter
+from families import FAMILIES, build_target
+from tiny import random_images, tiny_llava
+
+TREE = TreeConfig(top_k=4, depth=4, total_tokens=20)
+
+
+def drafter_with(target, ratio: float, group: int = 4, draft: str = "chain", seed: int = 1) -> SpecFlashDrafter:
+    """An untrained drafter with these settings (default initialisation from `seed`)."""
+    torch.manual_seed(seed)
+    cfg = SpecFlashConfig.for_target(target).model_copy(update={"ratio": ratio, "group": group, "draft": draft})
+    return SpecFlashDrafter(SpecFlashHead(cfg), target)
+
+
+def begin_inputs(drafter: SpecFlashDrafter, target, req: Request) -> tuple[torch.Tensor, TargetOutput]:
+    """(decoder-layer input [S, d] of `begin` on `req`: the run context + the queued last entry, prefill)."""
+    seen = []
+    hook = drafter.head.layer.register_forward_hook(lambda mod, args, out: seen.append(args[0][0].clone()))
+    pre = target.prefill(target.encode(req))
+    try:
+        drafter.begin(target, pre, root=5)
+    finally:
+        hook.remove()
+    return torch.cat(seen + [drafter.pending]), pre
+
+
+@pytest.mark.parametrize("family,request_name", [(f, r) for f, fam in FAMILIES.items() for r in fam.requests
+                                                 if r != "text"])
+@pytest.mark.parametrize("ratio", [1.0, 0.25, 1 / 9, 0.0])
+def test_each_image_or_frame_is_pooled_into_c_query_vectors(family, request_name, ratio):
+    """Every image / frame (`media_segments`) becomes C = compressed_count(N) vectors softmax(Q F^T) F of its own
+    features, at its place in the sequence; text entries keep fc([e_{j+1}; f_j]); C/N 1 keeps F, 0 drops it."""
+    torch.manual_seed(0)
+    target = build_target(family)
+    d = drafter_with(target, ratio)
+    x, pre = begin_inputs(d, target, FAMILIES[family].requests[request_name])
+    seg, hid, emb = pre.media_segments[0], pre.hidden[0], pre.inputs_embeds[0]
+    assert torch.equal(seg >= 0, pre.media_mask[0])
+    pieces = [torch.nonzero(seg == i).flatten() for i in range(int(seg.max()) + 1)]
+    assert len(pieces) >= 1 and all(p.numel() and int(p[-1] - p[0]) + 1 == p.numel() for p in pieces)
+    if family == "llava" and request_name == "video":
+        assert len(pieces) == 4  # one piece per frame, not one per run of placeholders
+    n_text = int((seg < 0).sum())
+    cs = [compressed_count(p.numel(), ratio, d.head.cfg.max_queries) for p in pieces]
+    assert x.shape[0] == n_text + sum(cs) == d.prefill_tokens
+    if 0 < ratio < 1:
+        assert all(1 <= c < p.numel() for c, p in zip(cs, pieces))
+    nxt = torch.cat([emb[1:], target.embed_tokens(torch.tensor([5]))], 0)
+    with torch.no_grad():
+        fused = d.head.fc(torch.cat([nxt, hid], -1))
+    row, j = 0, 0
+    while j < seg.shape[0]:
+        if seg[j] < 0:
+            torch.testing.assert_close(x[row], fused[j])
+            row, j = row + 1, j + 1
+            continue
+        p = pieces[int(seg[j])]
+        f = hid[p]
+        want = f if ratio >= 1 else torch.softmax(d.head.queries[:cs[int(seg[j])]] @ f.T, -1) @ f
+        torch.testing.assert_close(x[row:row + want.shape[0]], want)
+        row, j = row + want.shape[0], j + p.numel()
+    assert row == x.shape[0]
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 6])
+def test_one_forward_drafts_k_tokens(group):
+    """propose = one decoder-layer forward, K drafted tokens (capped by the tree depth), whatever the context."""
+    target = wrap(*tiny_llava(init=0.3))
+    d = drafter_with(target, 1 / 9, group=group)
+    req = Request(prompt="what is happening", videos=(tuple(random_images(4, seed=3)),))
+    calls = []
+    d.head.layer.register_forward_hook(lambda mod, args, out: calls.append(args[0].shape[1]))
+    pre = target.prefill(target.encode(req))
+    d.begin(target, pre, root=5)
+    n_begin = len(calls)
+    for cfg in (TreeConfig(top_k=4, depth=8, total_tokens=20), TreeConfig(top_k=4, depth=3, total_tokens=20)):
+        before = len(calls)
+        tree = d.propose(5, cfg)
+        assert len(calls) == before + 1  # ONE drafter forward per cycle
+        assert tree.size - 1 == min(group, cfg.depth) and tree.parents.tolist() == list(range(-1, tree.size - 1))
+        d.observe([5, 7], torch.randn(2, target.hidden_size), bonus=9)  # queued, not run
+        assert len(calls) == before + 1
+    assert d.passes == 2 and n_begin <= 1
+
+
+def test_training_expansion_computes_what_inference_drafts(tmp_path):
+    """Slot s of base j: training (block-diagonal placeholders, noise 0) and inference (begin + observe + one
+    propose forward) give the same draft distributions, and slot s's target is f_{j+1+s} (token x_{j+2+s})."""
+    target = wrap(*tiny_llava(init=0.3))
+    ex = load_features(generate_features(target, [Request(prompt="what is happening",
+                                                           videos=(tuple(random_images(4, seed=3)),))],
+                                         DatagenRecipe(max_new_tokens=12), tmp_path / "f"))[0]
+    d = drafter_with(target, 1 / 9, group=4)
+    d.head.float()
+    pieces = target.media_pieces(ex.input_ids)
+    assert [b - a for a, b in pieces] == [9, 9, 9, 9]
+    item = expand_example(ex, pieces, 1 / 9, 64, 4, 0.0, torch.Generator())
+    with torch.no_grad():
+        out = d.head.layer(layer_inputs(d.head, item)[None], item["pos"][None], item["mask"][None, None])[0]
+    W = target.model.get_output_embeddings().weight.float()
+    n_p, L, ids, hid = ex.n_prompt, ex.input_ids.shape[0], ex.input_ids.tolist(), ex.hidden.float()
+    R = int((item["kind"] != 4).sum())
+    for j in (n_p - 1, n_p + 2):  # the first base (the prompt's last entry) and one inside the answer
+        pre = TargetOutput(logits=torch.zeros(1, 1, 1), hidden=ex.hidden[None, :n_p].float(),
+                           input_ids=ex.input_ids[None, :n_p], inputs_embeds=ex.embeds[None, :n_p].float())
+        d.begin(target, pre, root=ids[n_p])  # media_segments left out: the pieces come from the ids
+        if j >= n_p:
+            d.observe(ids[n_p:j + 1], hid[n_p:j + 1], bonus=ids[j + 1])
+        inf = d.slot_logprobs(4)
+        i = R - (L - 1 - j)  # the real row of entry j (the answer's entries are the last rows of the real part)
+        b = j - (n_p - 1)  # its placeholder block
+        rows = [i] + [R + 3 * b + s for s in range(3)]
+        train = torch.log_softmax(out[rows] @ W.T, -1)
+        torch.testing.assert_close(inf, train, atol=1e-4, rtol=1e-4)
+        for s, r in enumerate(rows):
+            assert item["pos"][r] == i + s
+            if j + 1 + s <= L - 2:
+                assert item["loss_mask"][r] and torch.equal(item["tgt"][r], hid[j + 1 + s])
+
+
+def test_cartesian_tree_is_best_first_within_budget():
+    logp = torch.log_softmax(torch.randn(4, 50, generator=torch.Generator().manual_seed(0)), -1)
+    t = cartesian_tree(7, logp, top_k=3, budget=15)
+    assert t.size == 16 and int(t.depth.max()) <= 4 and t.tokens[0] == 7
+    par, sc = t.parents.tolist(), t.scores.tolist()
+    assert all(0 <= par[i] < i for i in range(1, t.size))
+    top = torch.topk(logp, 3, -1)
+    for i in range(1, t.size):
+        s = int(t.depth[i]) - 1
+        assert int(t.tokens[i]) in top.indices[s].tolist()
+        assert sc[i] == pytest.approx(sc[par[i]] + float(logp[s, int(t.tokens[i])]), abs=1e-5)
+    # the kept nodes are the best 15 of the full tree (no dropped node outscores a kept one)
+    full = cartesian_tree(7, logp, top_k=3, budget=3 + 9 + 27 + 81)
+    assert sorted(sc[1:], reverse=True) == pytest.approx(sorted(full.scores.tolist()[1:], reverse=True)[:15])
+    assert cartesian_tree(7, logp, top_k=1, budget=10).tokens[1:].tolist() == logp.argmax(-1).tolist()  # = chain
+
+
+def _features(target, reqs, path, n_tokens=16):
+    return load_features(generate_features(target, reqs, DatagenRecipe(max_new_tokens=n_tokens), path))
+
+
+def test_specflash_training_lowers_the_loss_resumes_and_stays_lossless(tmp_path):
+    target = wrap(*tiny_llava(init=0.3))
+    mm = _features(target, [Request(prompt="describe the image", images=tuple(random_images(1, seed=i)))
+                            for i in range(8)]
+                   + [Request(prompt="what is happening", videos=(tuple(random_images(3, seed=50 + i)),))
+                      for i in range(4)], tmp_path / "mm")
+    cfg = TrainConfig(epochs=2, batch_size=4, lr=1e-2, warmup_steps=2, eval_max_new_tokens=8)
+    heldout = [Request(prompt="describe the image", images=tuple(random_images(1, seed=100)))]
+    out = train_drafter("specflash", target, mm, tmp_path / "d", cfg, heldout=heldout)
+    out = train_drafter("specflash", target, mm, tmp_path / "d", cfg.model_copy(update={"epochs": 8}),
+                        heldout=heldout)
+    hist = json.loads((out / "history.json").read_text())
+    assert [h["epoch"] for h in hist] == list(range(1, 9)) and "top1_slot3" in hist[-1]
+    m, W = training_method("specflash"), target.model.get_output_embeddings().weight.detach().float()
+    torch.manual_seed(cfg.seed)  # the trainer's initial head
+    head0 = m.head(target).float()
+    batch = m.collate(mm, list(range(len(mm))), 0.0, torch.Generator())
+    with torch.no_grad():
+        before = m.loss(head0, batch, W, 0.1)[0].item()
+        after = m.loss(SpecFlashHead.load(out).float(), batch, W, 0.1)[0].item()
+    assert after < 0.9 * before, (before, after)  # slots 1-3 of a random tiny target are hard to guess
+    assert json.loads((out / "config.json").read_text())["method"] == "specflash"
+    d = load_drafter(str(out), target)
+    assert isinstance(d, SpecFlashDrafter)
+    with pytest.raises(ValueError, match="holds a specflash training run, not eagle2"):
+        train_drafter("eagle2", target, mm, tmp_path / "d", cfg.model_copy(update={"epochs": 9}))
+    accepted = 0
+    for draft in ("chain", "tree"):
+        d.head.cfg = d.head.cfg.model_copy(update={"draft": draft})
+        for i in range(3):
+            req = Request(prompt="describe the image", images=tuple(random_images(1, seed=200 + i)))
+            g = SpecEngine(target, d, TREE).generate(req, max_new_tokens=24)
+            assert g.token_ids == AREngine(target).generate(req, max_new_tokens=24).token_ids
+            accepted += sum(g.stats.accepted_per_cycle)
+            assert g.stats.draft_passes <= g.stats.cycles  # one forward per proposing cycle, at most
+    assert accepted > 0
+
+
+def test_method_options_set_the_head_config():
+    target = wrap(*tiny_llava(init=0.3))
+    head = SpecFlashMethod(ratio=0.25, group=2, max_queries=8).head(target)
+    assert (head.cfg.ratio, head.cfg.group, head.cfg.max_queries) == (0.25, 2, 8)
+    assert head.queries.shape == (8, target.hidden_size) and head.placeholders.shape == (1, target.hidden_size)
+    assert [compressed_count(9, r, 64) for r in (1, 1 / 4, 1 / 9, 1 / 16, 0)] == [9, 2, 1, 1, 0]
+    assert [compressed_count(576, r, 64) for r in (1 / 4, 1 / 9, 1 / 16)] == [64, 64, 36]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_trained_specflash_is_lossless_on_every_family_and_request(family, tmp_path):
+    """Briefly trained on the family's own media requests; greedy spec (chain and tree) == AR == HF generate."""
+    torch.manual_seed(0)
+    target = build_target(family)
+    reqs = FAMILIES[family].requests
+    mm = _features(target, [r for n, r in reqs.items() if n != "text"] * 2, tmp_path / "mm", n_tokens=12)
+    cfg = TrainConfig(epochs=2, batch_size=2, lr=3e-3, warmup_steps=1)
+    d = load_drafter(str(train_drafter("specflash", target, mm, tmp_path / "d", cfg)), target)
+    for name, req in reqs.items():
+        ar = AREngine(target).generate(req, max_new_tokens=24)
+        inputs = target.encode(req)
+        with torch.inference_mode():
+            hf = target.model.generate(**inputs, do_sample=False, max_new_tokens=24)
+        assert ar.token_ids == hf[0, inputs["input_ids"].shape[1]:].tolist(), (family, name)
+        for draft in ("chain", "tree"):
+            d.head.cfg = d.head.cfg.model_copy(update={"draft": draft})
+            assert SpecEngine(target, d, TREE).generate(req, max_new_tokens=24).token_ids == ar.token_ids, \
+                (family, name, draft)
+
+
+@pytest.mark.parametrize("draft", ["chain", "tree"])
+def test_specflash_sampling_output_distribution_equals_the_target(draft, tmp_path):
+    """An image request at T 0.8, top-k 4, top-p 0.9 through a briefly trained SpecFLASH drafter: 3-token answers
+    match the exact warped target distribution (chi-square at p = 1e-4, 1,500 samples)."""
+    from mmspec_ray.spec.sampling import warp
+    from mmspec_ray.training.datagen import extend_inputs
+    from test_spec_accept import chi2_critical, chi2_stat
+    from test_spec_engine import three_token_distribution
+
+    target = wrap(*tiny_llava(init=0.08))  # flatter logits: several tokens per step carry real mass
+    req = Request(prompt="describe the image", images=tuple(random_images(1, seed=7)))
+    mm = _features(target, [Request(prompt="describe the image", images=tuple(random_images(1, seed=i)))
+                            for i in range(8)], tmp_path / "mm", n_tokens=8)
+    cfg = TrainConfig(epochs=3, batch_size=4, lr=3e-3, warmup_steps=1)
+    d = load_drafter(str(train_drafter("specflash", target, mm, tmp_path / "d", cfg)), target)
+    d.head.cfg = d.head.cfg.model_copy(update={"draft": draft})
+    params = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
+    inputs = target.encode(req)
+
+    def dist(prefix: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return warp(target.model(**extend_inputs(inputs, prefix)).logits[0, -1], params)
+
+    probs = three_token_distribution(dist)
+    assert len(probs) >= 8
+    n = 1500
+    eng = SpecEngine(target, d, TreeConfig(top_k=3, depth=2, total_tokens=8))
+    samples, accepted = Counter(), 0
+    for s in range(n):
+        g = eng.generate(req, SamplingParams(temperature=0.8, top_k=4, top_p=0.9, seed=s), max_new_tokens=3)
+        samples[tuple(g.token_ids)] += 1
+        accepted += sum(g.stats.accepted_per_cycle)
+    assert accepted > n // 4  # the trained drafter's proposals are really accepted, not all rejected
+    stat, df = chi2_stat(samples, probs, n)
+    assert stat < chi2_critical(df), f"chi2 {stat:.1f} > {chi2_critical(df):.1f} (df {df})"
