@@ -18,7 +18,7 @@ M = TypeVar("M", bound=BaseModel)
 SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
                   "repetition_penalty": "--repetition-penalty", "seed": "--seed"}
 TREE_FLAGS = {"top_k": "--tree-top-k", "depth": "--tree-depth", "total_tokens": "--tree-tokens"}
-TRAINED_METHODS = ("eagle2", "msd", "specflash")  # methods `train-drafter` trains (mmspec_ray.training.methods.METHODS)
+TRAINED_METHODS = ("eagle2", "msd", "specflash", "hivis")  # methods `train-drafter` trains (mmspec_ray.training.methods.METHODS)
 
 
 class UsageError(Exception):
@@ -113,9 +113,11 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
         from mmspec_ray.toy.build import build_toy
 
         if a.out is None:
-            if a.examples or a.epochs or a.text_examples or a.text_epochs is not None or a.direct:
-                raise UsageError("--examples, --epochs, --text-examples, --text-epochs and --direct change the "
-                                 "recipe: give --out too (the cached toy drafter keeps the default recipe)")
+            if (a.examples or a.epochs or a.text_examples or a.text_epochs is not None or a.direct
+                    or a.multistep_epochs is not None):
+                raise UsageError("--examples, --epochs, --text-examples, --text-epochs, --multistep-epochs and "
+                                 "--direct change the recipe: give --out too (the cached toy drafter keeps the "
+                                 "default recipe)")
             print(build_toy_drafter(a.target, a.method, force=a.force))
             return 0
         recipe = RECIPES[a.target]
@@ -123,7 +125,8 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
             recipe = recipe.model_copy(update={"examples": a.examples})
         if a.text_examples:
             recipe = recipe.model_copy(update={"text_examples": a.text_examples})
-        train = {k: v for k, v in (("epochs", a.epochs), ("text_epochs", a.text_epochs)) if v is not None}
+        train = {k: v for k, v in (("epochs", a.epochs), ("text_epochs", a.text_epochs),
+                                   ("multistep_epochs", a.multistep_epochs)) if v is not None}
         if a.direct:
             train["gradual"] = False
         recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update=train)})
@@ -228,7 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "one-token forward (default: per dtype; 0: off; docs/engine.md, Precision)")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--drafter", default=None,
-                     help="none (plain AR), ngram, a drafter checkpoint directory, or eagle2 / msd with a toy target")
+                     help="none (plain AR), ngram, a drafter checkpoint directory, or eagle2 / msd / hivis with a toy "
+                     "target")
     gen.add_argument("--tree-top-k", type=int, default=8)
     gen.add_argument("--tree-depth", type=int, default=5)
     gen.add_argument("--tree-tokens", type=int, default=48, help="draft tree size including the root")
@@ -248,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="text-only training prompts for stage 1 (default: as many as --examples)")
     td.add_argument("--text-epochs", type=int, default=None,
                     help="stage-1 (text-only) epochs; default: the method's (msd: half the epochs, eagle2: 0)")
+    td.add_argument("--multistep-epochs", type=int, default=None,
+                    help="epochs of the multi-step stage that ends the run (hivis stage 2; default: a third of the "
+                    "epochs; 0: stage 1 only). A stage-1 run resumed with more --epochs continues into stage 2")
     td.add_argument("--direct", action="store_true",
                     help="stage 2 all multimodal from its first epoch (default: MSD's gradual text->multimodal ramp)")
     td.add_argument("--force", action="store_true", help="start over instead of resuming")
@@ -256,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     be = sub.add_parser("bench", help="AR vs drafters vs HF peers on held-out toy prompts (JSON + markdown)")
     be.add_argument("--target", default="toy-s", choices=["toy-s", "toy-m"])
     be.add_argument("--drafter", default="eagle2",
-                    help="comma list, run interleaved in one bench: eagle2 / msd (the toy world's), checkpoint dirs "
+                    help="comma list, run interleaved in one bench: eagle2 / msd / hivis (the toy world's), checkpoint dirs "
                          "or LABEL=DIR; '' for none")
     be.add_argument("--assistant", default="auto",
                     help="small model for the HF assisted-generation peer: a checkpoint dir, '' for none, or auto "

@@ -11,6 +11,7 @@ import torch
 
 from mmspec_ray.config import SamplingParams
 from mmspec_ray.drafters.eagle import Eagle2Drafter
+from mmspec_ray.drafters.hivis import HiViSDrafter
 from mmspec_ray.drafters.msd import MSDDrafter
 from mmspec_ray.drafters.ngram import NgramDrafter
 from mmspec_ray.drafters.oracle import OracleDrafter
@@ -87,6 +88,7 @@ def test_greedy_spec_equals_ar_equals_hf_for_every_drafter(family_target):
         drafters = {
             "eagle2-random": Eagle2Drafter.random(target, seed=1),
             "msd-random": MSDDrafter.random(target, seed=1),  # trained MSD: tests/test_msd.py, every family
+            "hivis-random": HiViSDrafter.random(target, seed=1),  # trained HiViS: tests/test_hivis.py
             "ngram": NgramDrafter(),
             "oracle": OracleDrafter(ar.token_ids),
             **{f"perturbed-{s}": PerturbedOracle(ar.token_ids, target.vocab_size, seed=s) for s in range(3)},

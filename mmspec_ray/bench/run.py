@@ -71,7 +71,8 @@ def _engine_runner(engine: SpecEngine, req: Request, max_new_tokens: int,
         return len(g.token_ids), {"accepted": sum(st.accepted_per_cycle), "cycles": st.cycles, "prefill_s": st.prefill_s,
                                   "draft_s": st.draft_s, "verify_s": st.verify_s, "overhead_s": st.overhead_s,
                                   "draft_passes": st.draft_passes,
-                                  "drafter_prefill_s": st.drafter_prefill_s}
+                                  "drafter_prefill_s": st.drafter_prefill_s,
+                                  "drafter_prefill_tokens": st.drafter_prefill_tokens, "prompt_tokens": st.prompt_tokens}
 
     return run
 
@@ -166,7 +167,9 @@ def summarize(runs: list[dict]) -> dict:
                 ncyc = max(1, sum(r["cycles"] for r in mr))  # draft time includes the drafter's begin (its prefill)
                 row.update(draft_ms_per_cycle=1e3 * sum(r["draft_s"] for r in mr) / ncyc,
                            verify_ms_per_cycle=1e3 * sum(r["verify_s"] for r in mr) / ncyc,
-                           drafter_prefill_ms=1e3 * statistics.mean(r.get("drafter_prefill_s", 0.0) for r in mr))
+                           drafter_prefill_ms=1e3 * statistics.mean(r.get("drafter_prefill_s", 0.0) for r in mr),
+                           drafter_prefill_tokens=statistics.mean(r.get("drafter_prefill_tokens", 0) for r in mr),
+                           prompt_tokens=statistics.mean(r.get("prompt_tokens", 0) for r in mr))
                 dec = [decode_per_token("ar", p) / decode_per_token(m, p) for p in mine]
                 row["decode_speedup_median"] = statistics.median(dec)
                 if m == "oracle":
@@ -186,8 +189,9 @@ def to_markdown(results: dict, title: str) -> str:
     for temp, table in results["summary"].items():
         lines += [f"T = {temp}", "",
                   "| method | prompts | speedup vs AR per token (median) | min-max | decode-only speedup | tokens/s | "
-                  "accepted/cycle | tokens/forward | draft ms/cycle | verify ms/cycle | drafter prefill ms/request |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "accepted/cycle | tokens/forward | draft ms/cycle | verify ms/cycle | drafter prefill ms/request | "
+                  "drafter prefill tokens/request (of the prompt's) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for m, r in table.items():
             acc = f"{r['accepted_per_cycle']:.2f}" if "accepted_per_cycle" in r else "-"
             tpf = f"{r['tokens_per_forward']:.2f}" if "tokens_per_forward" in r else "-"
@@ -198,10 +202,12 @@ def to_markdown(results: dict, title: str) -> str:
             dec = f"{r['decode_speedup_median']:.2f}x" if "decode_speedup_median" in r else "-"
             lines.append(f"| {m} | {r['prompts']} | {r['speedup_median']:.2f}x | {r['speedup_min']:.2f}-{r['speedup_max']:.2f} | "
                          f"{dec} | {r['tokens_per_s']:.1f} | {acc} | {tpf} | {ms('draft')} | {ms('verify')} | "
-                         + (f"{r['drafter_prefill_ms']:.1f} |" if "drafter_prefill_ms" in r else "- |"))
+                         + (f"{r['drafter_prefill_ms']:.1f} |" if "drafter_prefill_ms" in r else "- |")
+                         + (f" {r['drafter_prefill_tokens']:.0f} ({r['prompt_tokens']:.0f}) |"
+                            if "drafter_prefill_tokens" in r else " - |"))
             if r.get("efficiency") is not None:
                 lines.append(f"| (oracle: ideal {r['ideal_speedup']:.2f}x, efficiency {r['efficiency']:.0%} of it, decode-only) |"
-                             " | | | | | | | | | |")
+                             " | | | | | | | | | | |")
         per_pass = [f"{m} {r['accepted_per_pass']:.2f} ({r['passes_per_cycle']:.2f} passes/cycle)"
                     for m, r in table.items() if "accepted_per_pass" in r]
         if per_pass:

@@ -7,6 +7,9 @@ exact hidden states at those nodes, so a drafter's context holds target features
 Optional attribute `prefill_logits: int` (default 1): how many of the last prompt positions' logits the drafter
 needs from the prefill (0: all of them). The target computes no others, since [L, V] logits of a long prompt cost
 gigabytes.
+
+Optional attribute `prefill_tokens: int` (default 0), set by `begin`: how many entries the drafter's own prefill
+read (EAGLE-2: the whole prompt, media included; HiViS: its text only). The engine reports it per request.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ def register_drafter(name: str):
 
 
 def drafter_class(name: str) -> type:
-    from mmspec_ray.drafters import eagle, msd, ngram, none, oracle  # noqa: F401  (registration side effect)
+    from mmspec_ray.drafters import eagle, hivis, msd, ngram, none, oracle  # noqa: F401  (registration side effect)
     from mmspec_ray.drafters import specflash  # noqa: F401
 
     if name not in _REGISTRY:

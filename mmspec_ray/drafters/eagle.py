@@ -64,15 +64,21 @@ class Eagle2Head(nn.Module):
 
     def forward(self, embeds: torch.Tensor, feats: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None, at: int = 0,
-                visual: torch.Tensor | None = None) -> torch.Tensor:
+                visual: torch.Tensor | None = None, step: torch.Tensor | None = None) -> torch.Tensor:
         """embeds, feats [B, T, d]; pos [B, T]; mask [B, 1, T, at+T] bool -> predicted features [B, T, d]
         (`kv`/`at`: see DecoderLayer.forward). `visual` [B, T] bool (entry j's next token is a media token) is
-        ignored here: EAGLE-2 fuses every entry; methods that treat media entries apart (MSD) override `inputs`."""
-        return self.layer(self.inputs(embeds, feats, visual), pos, mask, kv, at)
+        ignored here: EAGLE-2 fuses every entry; methods that treat media entries apart (MSD) override `inputs`.
+        `step` [B, T] long: the drafting step whose feature an entry carries (0 or None: the target's; j: the
+        drafter's own j-th guess, a tree node at level j), ignored here; HiViS overrides `with_step`."""
+        return self.layer(self.with_step(self.inputs(embeds, feats, visual), step), pos, mask, kv, at)
 
     def inputs(self, embeds: torch.Tensor, feats: torch.Tensor, visual: torch.Tensor | None) -> torch.Tensor:
         """The decoder layer's input [B, T, d]: fc([embedding; feature]) at every entry."""
         return self.fc(torch.cat([embeds, feats], dim=-1))
+
+    def with_step(self, x: torch.Tensor, step: torch.Tensor | None) -> torch.Tensor:
+        """The layer input given each entry's drafting step: EAGLE-2 has no step signal (x unchanged)."""
+        return x
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -116,6 +122,7 @@ class Eagle2Drafter:
         self.ctx_len = 0  # slots [0, ctx_len) hold accepted context; tree nodes use the slots after it
         self.last: torch.Tensor | None = None  # [1, d] draft output of the newest context entry
         self.passes = 0  # decoder forwards made while proposing (one per tree level; the engine's τ per pass)
+        self.prefill_tokens = 0  # entries the last `begin` ran through the head (the drafter's prefill length)
 
     @classmethod
     def load(cls, path: str | Path, target: "VLMTarget", device: str | None = None) -> "Eagle2Drafter":
@@ -147,6 +154,7 @@ class Eagle2Drafter:
         media = prefill.media_mask
         visual = None if media is None else torch.cat([media[0, 1:], media.new_zeros(1)])  # token j+1 is media
         self._extend(nxt, feats, visual)
+        self.prefill_tokens = self.ctx_len
 
     @torch.inference_mode()
     def observe(self, tokens: list[int], hidden: torch.Tensor, bonus: int) -> None:
@@ -179,7 +187,8 @@ class Eagle2Drafter:
             mask = torch.cat([torch.ones((k, S), dtype=torch.bool, device=dev), new], 1)
             pos = torch.tensor([[S - 1 + lv for lv in levels]], device=dev)
             out = self.head(self._embed(tokens.tolist())[None], feats[None], pos, mask[None, None], self.kv,
-                            S + n_prev)  # scratch slots after the context; overwritten by the next cycle
+                            S + n_prev,  # scratch slots after the context; overwritten by the next cycle
+                            step=torch.tensor([levels], device=dev))  # a level-j node's feature is a j-th guess
             hid.append(out[0])
             lvl.extend(levels)
             self.passes += 1

@@ -79,6 +79,7 @@ class SpecEngine:
         td = time.perf_counter()
         d.begin(t, out, root)
         stats.drafter_prefill_s = time.perf_counter() - td
+        stats.drafter_prefill_tokens = int(getattr(d, "prefill_tokens", 0))
         stats.draft_s += stats.drafter_prefill_s
         passes0 = int(getattr(d, "passes", 0))  # the drafter's forward count (drafters that keep one)
         single = False  # the next cycle verifies the root alone (a near-tie left to a one-token forward)

@@ -20,6 +20,7 @@ class GenerationStats:
     prefill_s: float = 0.0
     draft_s: float = 0.0  # the drafter's time: its begin (drafter_prefill_s) + proposing + observing
     drafter_prefill_s: float = 0.0  # the drafter's begin: its own pass over the prompt, once per request
+    drafter_prefill_tokens: int = 0  # entries the drafter's begin read (its `prefill_tokens`; 0: none)
     verify_s: float = 0.0
     overhead_s: float = 0.0  # acceptance, cache commit, bookkeeping
     total_s: float = 0.0

@@ -59,7 +59,7 @@ def train_drafter_on_world(world: ToyWorld, out: Path, method: str, recipe: ToyD
     target = load_target(world.target)
     mm = load_features(toy_features(world, target, recipe))
     text = (load_features(toy_features(world, target, recipe, text=True))
-            if stage_schedule(m, recipe.train).text_epochs else [])
+            if stage_schedule(m, recipe.train).uses_text else [])
     heldout = list(toy_requests(world, "validation", recipe.heldout, seed=2))
     train_drafter(m, target, mm, out, recipe.train, heldout=heldout, resume=resume, text_examples=text)
     return out

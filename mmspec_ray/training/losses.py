@@ -8,8 +8,11 @@ import torch.nn.functional as F
 
 
 def eagle_loss(pred: torch.Tensor, target_feat: torch.Tensor, lm_head_weight: torch.Tensor, mask: torch.Tensor,
-               v_weight: float = 1.0, p_weight: float = 0.1) -> tuple[torch.Tensor, dict[str, float]]:
-    """pred, target_feat [B, T, d]; lm_head_weight [V, d]; mask [B, T] bool. Returns (loss, parts for logging)."""
+               v_weight: float = 1.0, p_weight: float = 0.1, k_weight: float = 0.0,
+               k: int = 10) -> tuple[torch.Tensor, dict[str, float]]:
+    """pred, target_feat [B, T, d]; lm_head_weight [V, d]; mask [B, T] bool. Returns (loss, parts for logging).
+    `k_weight` > 0 adds HASS's top-K distillation term (HiViS stage 2): -sum over the target's top-k tokens of
+    p_target * log p_draft, not renormalised, with the same reduction as the other two terms."""
     m = mask.float()
     denom = m.sum().clamp_min(1.0)
     vloss = (F.smooth_l1_loss(pred.float(), target_feat.float(), reduction="none").mean(-1) * m).sum() / denom
@@ -20,4 +23,10 @@ def eagle_loss(pred: torch.Tensor, target_feat: torch.Tensor, lm_head_weight: to
     with torch.no_grad():
         acc = (((logq.argmax(-1) == p_target.argmax(-1)).float() * m).sum() / denom).item()
     loss = v_weight * vloss + p_weight * ploss
-    return loss, {"vloss": float(vloss.detach()), "ploss": float(ploss.detach()), "top1": acc}
+    parts = {"vloss": float(vloss.detach()), "ploss": float(ploss.detach()), "top1": acc}
+    if k_weight > 0:
+        top = torch.topk(p_target, min(k, p_target.shape[-1]), dim=-1)
+        kloss = (-(top.values * logq.gather(-1, top.indices)).sum(-1) * m).sum() / denom
+        loss = loss + k_weight * kloss
+        parts["kloss"] = float(kloss.detach())
+    return loss, parts

@@ -8,12 +8,16 @@ the stage schedule, the optimiser and LR schedule, checkpoints, resume and held-
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import re
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
 
 from mmspec_ray.drafters.eagle import Eagle2Drafter, Eagle2Head
+from mmspec_ray.drafters.hivis import HiViSDrafter, HiViSHead
 from mmspec_ray.drafters.msd import MSDDrafter, MSDHead
 from mmspec_ray.drafters.specflash import SpecFlashDrafter, SpecFlashHead
 from mmspec_ray.training.datagen import FeatureExample
@@ -23,6 +27,9 @@ from mmspec_ray.training.specflash import expand_example, specflash_loss
 if TYPE_CHECKING:
     from mmspec_ray.drafters.base import Drafter
     from mmspec_ray.targets.base import VLMTarget
+    from mmspec_ray.training.trainer import TrainConfig
+
+log = logging.getLogger(__name__)
 
 
 def causal_pad_mask(valid: torch.Tensor) -> torch.Tensor:
@@ -67,6 +74,7 @@ class TrainingMethod:
     needs: ClassVar[tuple[str, ...]] = ("hidden", "embeds")  # FeatureExample fields the examples must carry
     head_class: ClassVar[type[Eagle2Head]] = Eagle2Head
     drafter_class: ClassVar[type[Eagle2Drafter]] = Eagle2Drafter
+    mixes_text: ClassVar[bool] = False  # every epoch holds the text-only pool too (StageSchedule.mixed)
 
     def head(self, target: "VLMTarget") -> nn.Module:
         return self.head_class(self.head_class.config_class.for_target(target))
@@ -77,6 +85,15 @@ class TrainingMethod:
     def default_text_epochs(self, epochs: int) -> int:
         """Stage-1 (text-only) epochs when the run does not say."""
         return 0
+
+    def select(self, target: "VLMTarget", examples: list[FeatureExample],
+               text_examples: list[FeatureExample]) -> tuple[list[FeatureExample], list[FeatureExample]]:
+        """The (multimodal, text-only) examples this method trains on, once per run: all of them by default."""
+        return examples, text_examples
+
+    def begin_epoch(self, head: nn.Module, epoch: int, cfg: "TrainConfig") -> None:
+        """Called before each epoch (1-based, resumed runs too): a method with stages of its own (HiViS's
+        single-step then multi-step) sets them here. Nothing by default."""
 
     def check(self, examples: list[FeatureExample]) -> None:
         missing = [f for f in self.needs if examples and getattr(examples[0], f) is None]
@@ -144,7 +161,205 @@ class SpecFlashMethod(TrainingMethod):
         return specflash_loss(head, batch["items"], lm_head_weight, p_weight)
 
 
-METHODS: dict[str, type[TrainingMethod]] = {m.name: m for m in (TrainingMethod, MSDMethod)}
+def text_only(ex: FeatureExample) -> FeatureExample:
+    """The example with its media positions dropped (HiViS stores no visual tokens): ids, features and embeddings
+    at the text positions, in order, and the prompt length less its media tokens (media only sit in prompts)."""
+    if ex.media is None or not bool(ex.media.any()):
+        return ex
+    keep = ~ex.media
+    return dataclasses.replace(ex, input_ids=ex.input_ids[keep], hidden=ex.hidden[keep], embeds=ex.embeds[keep],
+                               n_prompt=ex.n_prompt - int(ex.media[:ex.n_prompt].sum()),
+                               media=torch.zeros(int(keep.sum()), dtype=torch.bool))
+
+
+CODE_SYMBOLS = set("{}[]();=<>#*/\\|&$_")
+CODE_WORDS = re.compile(r"\b(def|class|import|return|function|const|var|let|public|private)\b|#include|=>")
+
+
+def code_heavy(text: str, share: float = 0.05) -> bool:
+    """HiViS's stage-2 filter of programming-heavy text entries (the paper gives no rule; spec A12): a code fence,
+    or (code symbols + 5 x keyword hits) / characters above `share`."""
+    if "```" in text:
+        return True
+    score = sum(c in CODE_SYMBOLS for c in text) + 5 * len(CODE_WORDS.findall(text))
+    return score / max(1, len(text)) > share
+
+
+def multi_step_mask(T: int, f: int, valid: torch.Tensor) -> torch.Tensor:
+    """[B, 1, T, (f+1)T] bool: pass f's queries over the key blocks of passes 0..f (HASS's parallel form of f
+    self-fed drafting steps). Query t is step f of the chain that started after real features up to t - f:
+    block 0 (target features) keys tau <= t - f, block m >= 1 the chain's own step-m entry tau = t - f + m (m = f:
+    the query itself). Padding keys are never attended."""
+    tq, tk = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    blocks = [(tk <= tq - f)[None] & valid[:, None, :]]
+    blocks += [(tk == tq - f + m)[None].expand(valid.shape[0], T, T) for m in range(1, f + 1)]
+    mask = torch.cat(blocks, -1)
+    mask[:, :, f * T:] |= torch.eye(T, dtype=torch.bool)[None]  # every query sees itself (padding stays finite)
+    return mask[:, None]
+
+
+class HiViSMethod(TrainingMethod):
+    """HiViS: the drafter reads text positions only (`text_only` examples, `HiViSHead`); stage 1 is EAGLE's
+    single-step training with e_seq^0, stage 2 (the last `multistep_epochs`) HASS-style multi-step self-feedback
+    over N passes with dynamic data selection: a simulated chain is cut after a step whose top-`filter_k` misses
+    the target's greedy token (spec §3.5, variant A), and the top-K distillation term joins the loss. Text-only and
+    multimodal prompts are mixed in every epoch; multimodal prompts whose answer has at most `min_answer_words`
+    words are dropped (both stages), code-heavy text entries in stage 2 only (none in the toy corpus)."""
+
+    name = "hivis"
+    needs = ("hidden", "embeds", "media")
+    head_class = HiViSHead
+    drafter_class = HiViSDrafter
+    mixes_text = True
+    passes: ClassVar[int] = 4  # N forward passes in stage 2 (paper: N = 4)
+    filter_k: ClassVar[int] = 5  # dynamic data selection: the target's token must be in the drafter's top-5
+    topk_weight: ClassVar[float] = 1.0  # stage-2 weight of the top-K distillation term (HASS default)
+    topk_k: ClassVar[int] = 10  # K of that term (spec A6)
+    min_answer_words: ClassVar[int] = 5  # multimodal entries kept only when the answer exceeds five words
+
+    def __init__(self, min_answer_words: int | None = None) -> None:
+        if min_answer_words is not None:  # tests: tiny models answer in word-less token soup
+            self.min_answer_words = min_answer_words
+        self.n_passes = 1  # 1 in stage 1, `passes` in stage 2 (set per epoch)
+        self.code_heavy: set[int] = set()  # id() of the text examples stage 2 leaves out
+
+    def multistep_epochs(self, cfg: "TrainConfig") -> int:
+        """Stage-2 epochs: the run's setting, else the last third (the spec's 20 + 10 epochs, scaled)."""
+        n = max(1, round(cfg.epochs / 3)) if cfg.multistep_epochs is None else cfg.multistep_epochs
+        if n > cfg.epochs:
+            raise ValueError(f"multistep_epochs ({n}) exceeds epochs ({cfg.epochs})")
+        return n
+
+    def select(self, target, examples, text_examples):
+        """Multimodal entries whose answer has more than `min_answer_words` words; every text entry (stage 1
+        trains on all of them; the code-heavy ones are noted here and skipped in stage 2)."""
+        def words(ex: FeatureExample) -> int:
+            return len(target.tokenizer.decode(ex.input_ids[ex.n_prompt:].tolist(), skip_special_tokens=True).split())
+
+        kept = [ex for ex in examples if words(ex) > self.min_answer_words]
+        self.code_heavy = {id(ex) for ex in text_examples
+                           if code_heavy(target.tokenizer.decode(ex.input_ids.tolist(), skip_special_tokens=True))}
+        log.info("hivis data: %d of %d multimodal entries answer in more than %d words; %d of %d text entries are "
+                 "code-heavy (left out of stage 2)", len(kept), len(examples), self.min_answer_words,
+                 len(self.code_heavy), len(text_examples))
+        return kept, text_examples
+
+    def begin_epoch(self, head: nn.Module, epoch: int, cfg: "TrainConfig") -> None:
+        """Epochs before the last `multistep_epochs` are stage 1 (one row of e_seq in use); the first stage-2
+        epoch copies e_seq^0 to every step's row (a resumed run mid stage 2 keeps its trained rows)."""
+        first = cfg.epochs - self.multistep_epochs(cfg) + 1
+        if epoch < first:
+            self.n_passes = 1
+            head.seq_rows.fill_(1)
+        else:
+            if epoch == first:
+                head.start_multi_step()
+            self.n_passes = self.passes
+
+    def collate(self, examples, idx, noise, gen):
+        """EAGLE's collate over the text-only examples; in stage 2 the code-heavy text entries carry no loss."""
+        batch = eagle_collate([text_only(examples[i]) for i in idx], list(range(len(idx))), noise, gen)
+        if self.n_passes > 1 and self.code_heavy:
+            drop = torch.tensor([id(examples[i]) in self.code_heavy for i in idx])
+            batch["loss_mask"] &= ~drop[:, None]
+        return batch
+
+    def loss(self, head, batch, lm_head_weight, p_weight):
+        """Stage 1: EAGLE's loss (e_seq^0 everywhere). Stage 2: the sum over passes f = 0..N-1 of the EAGLE loss +
+        the top-K term on `multi_step_forward`'s outputs, each pass masked by dynamic data selection."""
+        if self.n_passes == 1:
+            return super().loss(head, batch, lm_head_weight, p_weight)
+        tgt, T = batch["tgt"], batch["tgt"].shape[1]
+        outs = multi_step_forward(head, batch["emb"], batch["feat"], batch["valid"], self.n_passes)
+        with torch.no_grad():
+            y = (tgt @ lm_head_weight.T).argmax(-1)  # the target's greedy token at each position
+            hits = [(torch.topk(o @ lm_head_weight.T, self.filter_k, dim=-1).indices == y[..., None]).any(-1)
+                    for o in outs]
+        total = torch.zeros(())
+        parts: dict[str, float] = {}
+        for f, (out, alive) in enumerate(zip(outs, chain_alive(hits))):
+            reach = batch["loss_mask"] & (torch.arange(T) >= f)[None]  # a chain of f steps fits before t
+            m = reach & alive
+            loss, p = eagle_loss(out, tgt, lm_head_weight, m, p_weight=p_weight, k_weight=self.topk_weight,
+                                 k=self.topk_k)
+            total = total + loss
+            for k, v in p.items():
+                parts[k] = parts.get(k, 0.0) + v / self.n_passes
+                parts[f"{k}_pass{f}"] = v
+            parts[f"kept_pass{f}"] = float(m.sum() / reach.sum().clamp_min(1))  # share dynamic selection keeps
+        return total, parts
+
+
+def multi_step_forward(head: HiViSHead, emb: torch.Tensor, feat: torch.Tensor, valid: torch.Tensor,
+                       passes: int) -> list[torch.Tensor]:
+    """Outputs [B, T, d] of passes f = 0..passes-1 (HASS's parallel self-feedback, spec §3.4). Pass 0 is the
+    teacher-forced forward; pass f feeds entry t the token embedding of pass 0 with pass f-1's output at t-1
+    (detached: no gradient through the chain) and e_seq^min(f, 3), and attends by `multi_step_mask`, so its output
+    at t is what a drafter started after real features up to t - f predicts at its f-th self-fed step."""
+    B, T, _ = emb.shape
+    pos = torch.arange(T)[None].expand(B, -1)
+    layer = head.layer
+    blank = emb.new_zeros(B, layer.kv_heads, T, layer.head_dim)
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    outs: list[torch.Tensor] = []
+    for f in range(passes):
+        feats = feat if f == 0 else torch.cat([feat[:, :1], outs[-1][:, :-1].detach()], 1)
+        x = head.with_step(head.inputs(emb, feats, None), torch.full((B, T), f))
+        kv = (torch.cat(keys + [blank], 2), torch.cat(values + [blank], 2))  # the layer writes block f in place
+        outs.append(layer(x, pos, multi_step_mask(T, f, valid), kv, f * T))
+        keys.append(kv[0][:, :, f * T:])
+        values.append(kv[1][:, :, f * T:])
+    return outs
+
+
+def chain_alive(hits: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Dynamic data selection (spec §3.5, variant A): alive[f][b, t] says every earlier step of the chain ending
+    at (pass f, t) put the target's token in its top-K. A miss at step f still trains step f; the chain's later
+    steps are cut. Pass 0 is never filtered. hits[f] [B, T] bool: pass f's top-K holds the target's token at t."""
+    alive = [torch.ones_like(hits[0])]
+    for hit in hits[:-1]:
+        prev = alive[-1] & hit
+        alive.append(torch.cat([torch.zeros_like(prev[:, :1]), prev[:, :-1]], 1))
+    return alive
+
+
+class SpecFlashMethod(TrainingMethod):
+    """SpecFLASH: per-image / per-frame latent compression + the semi-autoregressive head (`SpecFlashHead`),
+    trained in one multimodal stage with the block-diagonal placeholder expansion (training/specflash.py).
+    Options (the C/N ratio, the query bank, K) override the head config's defaults, for ablations."""
+
+    name = "specflash"
+    needs = ("hidden", "embeds", "media")
+    head_class = SpecFlashHead
+    drafter_class = SpecFlashDrafter
+
+    def __init__(self, ratio: float | None = None, group: int | None = None, max_queries: int | None = None) -> None:
+        self.options = {k: v for k, v in (("ratio", ratio), ("group", group), ("max_queries", max_queries))
+                        if v is not None}
+        self.target: "VLMTarget | None" = None
+
+    def head(self, target: "VLMTarget") -> nn.Module:
+        """The head for `target`; also records the target, whose media layout cuts stored examples' media runs
+        into images / frames (`VLMTarget.media_pieces` from the ids)."""
+        self.target = target
+        cfg = self.head_class.config_class.for_target(target).model_copy(update=self.options)
+        return self.head_class(cfg)
+
+    def collate(self, examples: list[FeatureExample], idx: list[int], noise: float,
+                gen: torch.Generator) -> dict:
+        if self.target is None:
+            raise RuntimeError("specflash collate before head(target): the media pieces need the target")
+        cfg = self.head_class.config_class.for_target(self.target).model_copy(update=self.options)
+        return {"items": [expand_example(examples[i], self.target.media_pieces(examples[i].input_ids), cfg.ratio,
+                                         cfg.max_queries, cfg.group, noise, gen) for i in idx]}
+
+    def loss(self, head: nn.Module, batch: dict, lm_head_weight: torch.Tensor,
+             p_weight: float) -> tuple[torch.Tensor, dict[str, float]]:
+        return specflash_loss(head, batch["items"], lm_head_weight, p_weight)
+
+
+METHODS: dict[str, type[TrainingMethod]] = {m.name: m for m in (TrainingMethod, MSDMethod, HiViSMethod)}
 METHODS[SpecFlashMethod.name] = SpecFlashMethod
 
 

@@ -1,6 +1,9 @@
 """Training stages as a per-epoch data mixture: stage 1 trains on text-only examples, stage 2 on multimodal ones,
 entered gradually (MSD's two-stage schedule) or at once. A single-stage run is all multimodal (EAGLE-2 today).
 
+A mixed run (`mixed`, HiViS: ShareGPT + LLaVA-Mix665k in both of its stages) draws every item of both pools in
+every epoch after the text-only ones, shuffled together.
+
 MSD's rule (spec §3.2, from the authors' code): E epochs in all, stage 1 = epochs 1..E1 (text only), then the
 share of multimodal examples rises linearly, r_e = (e - E1) / (E - E1) for e = E1+1 .. E (1-indexed), so the last
 epoch is all multimodal. Each epoch of a mixed run has min(N_text, N_multimodal) items, each drawn from the
@@ -19,6 +22,12 @@ class StageSchedule(BaseModel):
     epochs: int = Field(ge=1)
     text_epochs: int = Field(0, ge=0)
     gradual: bool = True  # stage 2 ramps the multimodal share up linearly (False: 100 % from its first epoch)
+    mixed: bool = False  # epochs after the text-only ones hold every multimodal and every text item, shuffled
+
+    @property
+    def uses_text(self) -> bool:
+        """Whether the run reads the text-only pool at all (so a caller knows to load it)."""
+        return self.text_epochs > 0 or self.mixed
 
     @model_validator(mode="after")
     def _stage2_exists(self) -> "StageSchedule":
@@ -39,6 +48,9 @@ class StageSchedule(BaseModel):
 
     def items(self, epoch: int, n_multimodal: int, n_text: int, rng: np.random.Generator) -> list[tuple[bool, int]]:
         """The epoch's items in training order: (from the multimodal pool?, index in that pool)."""
+        if self.mixed and epoch > self.text_epochs:
+            order = rng.permutation(n_multimodal + n_text)
+            return [(True, int(i)) if i < n_multimodal else (False, int(i - n_multimodal)) for i in order]
         if self.text_epochs == 0:
             return [(True, int(i)) for i in rng.permutation(n_multimodal)]
         if n_text == 0 or n_multimodal == 0:
@@ -51,4 +63,6 @@ class StageSchedule(BaseModel):
         return [(True, int(pm[i])) if pick[i] else (False, int(pt[i])) for i in range(n)]
 
     def items_per_epoch(self, n_multimodal: int, n_text: int) -> int:
+        if self.mixed:
+            return n_multimodal + n_text
         return n_multimodal if self.text_epochs == 0 else min(n_multimodal, n_text)

@@ -44,11 +44,13 @@ class TrainConfig(BaseModel):
     eval_max_new_tokens: int = 96
     text_epochs: int | None = Field(None, ge=0, description="stage-1 (text-only) epochs; None: the method's default")
     gradual: bool = True  # stage 2 ramps the multimodal share linearly (False: all multimodal at once)
+    multistep_epochs: int | None = Field(None, ge=0, description="epochs of a method's multi-step stage at the "
+                                         "end of the run (HiViS stage 2); None: the method's default")
 
 
 def stage_schedule(method: TrainingMethod, cfg: TrainConfig) -> StageSchedule:
     text = method.default_text_epochs(cfg.epochs) if cfg.text_epochs is None else cfg.text_epochs
-    return StageSchedule(epochs=cfg.epochs, text_epochs=text, gradual=cfg.gradual)
+    return StageSchedule(epochs=cfg.epochs, text_epochs=text, gradual=cfg.gradual, mixed=method.mixes_text)
 
 
 @torch.inference_mode()
@@ -77,6 +79,7 @@ def train_drafter(method: str | TrainingMethod, target: VLMTarget, examples: lis
     text_examples = list(text_examples)
     m.check(list(examples))
     m.check(text_examples)
+    examples, text_examples = m.select(target, list(examples), text_examples)
     stages = stage_schedule(m, cfg)
     pool = list(examples) + text_examples  # text items are indexed after the multimodal ones
     n_mm = len(examples)
@@ -103,6 +106,7 @@ def train_drafter(method: str | TrainingMethod, target: VLMTarget, examples: lis
         log.info("resuming %s drafter training at epoch %d from %s", m.name, start_epoch, out)
     for epoch in range(start_epoch, cfg.epochs):
         t0 = time.time()
+        m.begin_epoch(head, epoch + 1, cfg)
         rng = np.random.default_rng([cfg.seed, epoch])  # per epoch, so a resumed run draws what a straight one does
         gen = torch.Generator().manual_seed(cfg.seed * 100_003 + epoch)
         items = stages.items(epoch + 1, n_mm, len(text_examples), rng)
@@ -126,7 +130,8 @@ def train_drafter(method: str | TrainingMethod, target: VLMTarget, examples: lis
             bar.set_postfix(loss=f"{float(loss.detach()):.3f}", top1=f"{parts.get('top1', float('nan')):.2f}")
         n = max(1, len(batches))
         rec = {"epoch": epoch + 1, **{k: v / n for k, v in parts_sum.items()}, "train_s": time.time() - t0,
-               "multimodal_share": stages.ratio(epoch + 1),
+               "multimodal_share": sum(mm for mm, _ in items) / max(1, len(items)) if stages.mixed
+               else stages.ratio(epoch + 1),
                "items": {"multimodal": sum(mm for mm, _ in items), "text": sum(not mm for mm, _ in items)}}
         rec["heldout_tau"] = heldout_tau(target, m.drafter(copy.deepcopy(head), target), list(heldout), tree,
                                          cfg.eval_max_new_tokens)
