@@ -324,41 +324,6 @@ def chain_alive(hits: list[torch.Tensor]) -> list[torch.Tensor]:
     return alive
 
 
-class SpecFlashMethod(TrainingMethod):
-    """SpecFLASH: per-image / per-frame latent compression + the semi-autoregressive head (`SpecFlashHead`),
-    trained in one multimodal stage with the block-diagonal placeholder expansion (training/specflash.py).
-    Options (the C/N ratio, the query bank, K) override the head config's defaults, for ablations."""
-
-    name = "specflash"
-    needs = ("hidden", "embeds", "media")
-    head_class = SpecFlashHead
-    drafter_class = SpecFlashDrafter
-
-    def __init__(self, ratio: float | None = None, group: int | None = None, max_queries: int | None = None) -> None:
-        self.options = {k: v for k, v in (("ratio", ratio), ("group", group), ("max_queries", max_queries))
-                        if v is not None}
-        self.target: "VLMTarget | None" = None
-
-    def head(self, target: "VLMTarget") -> nn.Module:
-        """The head for `target`; also records the target, whose media layout cuts stored examples' media runs
-        into images / frames (`VLMTarget.media_pieces` from the ids)."""
-        self.target = target
-        cfg = self.head_class.config_class.for_target(target).model_copy(update=self.options)
-        return self.head_class(cfg)
-
-    def collate(self, examples: list[FeatureExample], idx: list[int], noise: float,
-                gen: torch.Generator) -> dict:
-        if self.target is None:
-            raise RuntimeError("specflash collate before head(target): the media pieces need the target")
-        cfg = self.head_class.config_class.for_target(self.target).model_copy(update=self.options)
-        return {"items": [expand_example(examples[i], self.target.media_pieces(examples[i].input_ids), cfg.ratio,
-                                         cfg.max_queries, cfg.group, noise, gen) for i in idx]}
-
-    def loss(self, head: nn.Module, batch: dict, lm_head_weight: torch.Tensor,
-             p_weight: float) -> tuple[torch.Tensor, dict[str, float]]:
-        return specflash_loss(head, batch["items"], lm_head_weight, p_weight)
-
-
 METHODS: dict[str, type[TrainingMethod]] = {m.name: m for m in (TrainingMethod, MSDMethod, HiViSMethod)}
 METHODS[SpecFlashMethod.name] = SpecFlashMethod
 
