@@ -15,6 +15,7 @@ from mmspec_ray.drafters.hivis import HiViSDrafter
 from mmspec_ray.drafters.msd import MSDDrafter
 from mmspec_ray.drafters.ngram import NgramDrafter
 from mmspec_ray.drafters.oracle import OracleDrafter
+from mmspec_ray.drafters.specflash import SpecFlashDrafter
 from mmspec_ray.spec.engine import AREngine, SpecEngine
 from mmspec_ray.spec.sampling import warp
 from mmspec_ray.spec.tree import DraftTree, TreeConfig, depths
@@ -63,6 +64,13 @@ class PerturbedOracle:
         self.pos += len(tokens)
 
 
+def specflash_tree(target) -> SpecFlashDrafter:
+    """An untrained SpecFLASH drafter proposing its per-slot top-k tree instead of the chain."""
+    d = SpecFlashDrafter.random(target, seed=2)
+    d.head.cfg = d.head.cfg.model_copy(update={"draft": "tree"})
+    return d
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family_target(request):
     torch.manual_seed(0)
@@ -88,6 +96,8 @@ def test_greedy_spec_equals_ar_equals_hf_for_every_drafter(family_target):
         drafters = {
             "eagle2-random": Eagle2Drafter.random(target, seed=1),
             "msd-random": MSDDrafter.random(target, seed=1),  # trained MSD: tests/test_msd.py, every family
+            "specflash-random": SpecFlashDrafter.random(target, seed=1),  # trained: tests/test_specflash.py
+            "specflash-tree-random": specflash_tree(target),
             "hivis-random": HiViSDrafter.random(target, seed=1),  # trained HiViS: tests/test_hivis.py
             "ngram": NgramDrafter(),
             "oracle": OracleDrafter(ar.token_ids),
