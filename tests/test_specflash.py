@@ -29,10 +29,12 @@ from tiny import random_images, tiny_llava
 TREE = TreeConfig(top_k=4, depth=4, total_tokens=20)
 
 
-def drafter_with(target, ratio: float, group: int = 4, draft: str = "chain", seed: int = 1) -> SpecFlashDrafter:
+def drafter_with(target, ratio: float, group: int = 4, draft: str = "chain", seed: int = 1,
+                 placeholder: str = "learned") -> SpecFlashDrafter:
     """An untrained drafter with these settings (default initialisation from `seed`)."""
     torch.manual_seed(seed)
-    cfg = SpecFlashConfig.for_target(target).model_copy(update={"ratio": ratio, "group": group, "draft": draft})
+    cfg = SpecFlashConfig.for_target(target).model_copy(update={"ratio": ratio, "group": group, "draft": draft,
+                                                                "placeholder": placeholder})
     return SpecFlashDrafter(SpecFlashHead(cfg), target)
 
 
@@ -107,14 +109,15 @@ def test_one_forward_drafts_k_tokens(group):
     assert d.passes == 2 and n_begin <= 1
 
 
-def test_training_expansion_computes_what_inference_drafts(tmp_path):
+@pytest.mark.parametrize("placeholder", ["learned", "offset"])
+def test_training_expansion_computes_what_inference_drafts(placeholder, tmp_path):
     """Slot s of base j: training (block-diagonal placeholders, noise 0) and inference (begin + observe + one
     propose forward) give the same draft distributions, and slot s's target is f_{j+1+s} (token x_{j+2+s})."""
     target = wrap(*tiny_llava(init=0.3))
     ex = load_features(generate_features(target, [Request(prompt="what is happening",
                                                            videos=(tuple(random_images(4, seed=3)),))],
                                          DatagenRecipe(max_new_tokens=12), tmp_path / "f"))[0]
-    d = drafter_with(target, 1 / 9, group=4)
+    d = drafter_with(target, 1 / 9, group=4, placeholder=placeholder)
     d.head.float()
     pieces = target.media_pieces(ex.input_ids)
     assert [b - a for a, b in pieces] == [9, 9, 9, 9]

@@ -7,8 +7,8 @@ Framework for Efficient Multimodal Generation"): EAGLE's fc + one decoder layer,
    replace the N entries in the drafter's sequence. C = round(N x ratio), at least 1, at most the query bank;
    ratio 1 feeds the N features unpooled and ratio 0 drops the visual entries (the paper's C/N sweep ends).
    Drafter positions are contiguous in this compressed sequence, in training and inference alike.
-2. Semi-autoregressive head. After the newest real entry u_n = fc([e(x_{n+1}); f_n]) come K-1 learned placeholder
-   inputs at positions pos(n)+1 .. pos(n)+K-1 (causal among themselves): slot 0 (u_n's output) predicts f_{n+1},
+2. Semi-autoregressive head. After the newest real entry u_n = fc([e(x_{n+1}); f_n]) come K-1 placeholder inputs
+   (learned vectors pi_s, or u_n + pi_s with `placeholder: "offset"`) at positions pos(n)+1 .. pos(n)+K-1 (causal among themselves): slot 0 (u_n's output) predicts f_{n+1},
    i.e. token x_{n+2}, and placeholder s predicts token x_{n+2+s}. One decoder-layer forward drafts K tokens.
 
 Proposals: the per-slot argmax chain (the paper), or (`draft: "tree"`) the best `total_tokens - 1` nodes of the
@@ -43,6 +43,9 @@ class SpecFlashConfig(Eagle2Config):
     max_queries: int = 64  # learnable queries (the paper's LLaVA C: 576 / 9); C never exceeds it
     group: int = 4  # K: tokens drafted per forward (slot 0 + K-1 placeholders)
     draft: Literal["chain", "tree"] = "chain"
+    # placeholder s's input: "learned" = pi_s alone (spec §2.5's design), "offset" = u_n + pi_s (the authors'
+    # later code: the newest real entry's input plus a learned slot offset)
+    placeholder: Literal["learned", "offset"] = "learned"
 
 
 def compressed_count(n: int, ratio: float, max_queries: int) -> int:
@@ -154,7 +157,10 @@ class SpecFlashDrafter(Eagle2Drafter):
         """Run [queued entries; k-1 placeholders] in one decoder forward after the context; commit the entries'
         KV (the placeholders' slots are scratch) and return the k slots' draft log-probs [k, V] on the host."""
         P = self.pending.shape[0]
-        x = torch.cat([self.pending, self.head.placeholders[:k - 1].to(self.target.dtype)], 0)
+        ph = self.head.placeholders[:k - 1].to(self.target.dtype)
+        if self.head.cfg.placeholder == "offset":
+            ph = ph + self.pending[-1:]
+        x = torch.cat([self.pending, ph], 0)
         out = self._run(x, commit=P)
         self.pending = None
         self.passes += 1

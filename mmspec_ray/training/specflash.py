@@ -25,7 +25,8 @@ FUSED, COMPRESSED, RAW, PLACEHOLDER = 1, 2, 3, 4  # kinds of drafter inputs
 def expand_example(ex: FeatureExample, pieces: list[tuple[int, int]], ratio: float, max_queries: int, group: int,
                    noise: float, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """One example's training sequence (see the module docstring) as tensors: `kind` [T] (FUSED: fc of `emb`,
-    `feat`; COMPRESSED: query `aux` of piece `piece`; RAW: `feat` itself, ratio 1; PLACEHOLDER: slot `aux`), `pos`
+    `feat`; COMPRESSED: query `aux` of piece `piece`; RAW: `feat` itself, ratio 1; PLACEHOLDER: slot `aux` of the
+    real row `base`), `pos`
     [T], `mask` [T, T] bool, `tgt` [T, d], `loss_mask` [T], and the pieces' noised features `pieces` [P, Nmax, d]
     with `piece_len` [P]."""
     L = ex.input_ids.shape[0]
@@ -68,11 +69,12 @@ def expand_example(ex: FeatureExample, pieces: list[tuple[int, int]], ratio: flo
         if s >= ex.n_prompt - 1 and s + 1 <= L - 2:
             tgt[i] = hidden[s + 1]
             loss_mask[i] = True
+    base = [-1] * R
     for b, (i, s) in enumerate(bases):
         r0 = R + b * (group - 1)
         for k in range(1, group):
             r = r0 + k - 1
-            kind.append(PLACEHOLDER); aux.append(k - 1); piece.append(-1)
+            kind.append(PLACEHOLDER); aux.append(k - 1); piece.append(-1); base.append(i)
             pos[r] = i + k
             mask[r, :i + 1] = True
             mask[r, r0:r + 1] = True
@@ -90,7 +92,7 @@ def expand_example(ex: FeatureExample, pieces: list[tuple[int, int]], ratio: flo
     pf = torch.zeros(len(piece_feats), nmax, d)
     for p, f in enumerate(piece_feats):
         pf[p, :f.shape[0]] = f
-    return {"kind": kind_t, "aux": aux_t, "piece": torch.tensor(piece), "pos": pos, "mask": mask, "emb": emb,
+    return {"kind": kind_t, "aux": aux_t, "piece": torch.tensor(piece), "base": torch.tensor(base), "pos": pos, "mask": mask, "emb": emb,
             "feat": feat, "tgt": tgt, "loss_mask": loss_mask, "pieces": pf,
             "piece_len": torch.tensor([p.shape[0] for p in piece_feats], dtype=torch.long)}
 
@@ -100,9 +102,6 @@ def layer_inputs(head: SpecFlashHead, item: dict[str, torch.Tensor]) -> torch.Te
     placeholders (what `SpecFlashHead.sequence` and the drafter's propose build at inference)."""
     kind, aux = item["kind"], item["aux"]
     x = torch.where((kind == RAW)[:, None], item["feat"], head.fc(torch.cat([item["emb"], item["feat"]], -1)))
-    ph = kind == PLACEHOLDER
-    if ph.any():
-        x = torch.where(ph[:, None], head.placeholders[aux.clamp(0, head.placeholders.shape[0] - 1)], x)
     comp = kind == COMPRESSED
     if comp.any():
         f = item["pieces"]  # [P, Nmax, d]
@@ -110,6 +109,12 @@ def layer_inputs(head: SpecFlashHead, item: dict[str, torch.Tensor]) -> torch.Te
         logits = torch.einsum("cd,pnd->pcn", head.queries, f).masked_fill(~valid[:, None], float("-inf"))
         z = torch.einsum("pcn,pnd->pcd", torch.softmax(logits, -1), f)  # [P, Q, d]
         x = torch.where(comp[:, None], z[item["piece"].clamp(min=0), aux.clamp(0, z.shape[1] - 1)], x)
+    ph = kind == PLACEHOLDER
+    if ph.any():
+        slot = head.placeholders[aux.clamp(0, head.placeholders.shape[0] - 1)]
+        if head.cfg.placeholder == "offset":  # u_n + pi_s: the base's real input (placeholders follow every real row)
+            slot = slot + x[item["base"].clamp(min=0)]
+        x = torch.where(ph[:, None], slot, x)
     return x
 
 
