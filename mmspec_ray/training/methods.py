@@ -136,9 +136,10 @@ class SpecFlashMethod(TrainingMethod):
     head_class = SpecFlashHead
     drafter_class = SpecFlashDrafter
 
-    def __init__(self, ratio: float | None = None, group: int | None = None, max_queries: int | None = None) -> None:
-        self.options = {k: v for k, v in (("ratio", ratio), ("group", group), ("max_queries", max_queries))
-                        if v is not None}
+    def __init__(self, ratio: float | None = None, group: int | None = None, max_queries: int | None = None,
+                 placeholder: str | None = None) -> None:
+        self.options = {k: v for k, v in (("ratio", ratio), ("group", group), ("max_queries", max_queries),
+                                          ("placeholder", placeholder)) if v is not None}
         self.target: "VLMTarget | None" = None
 
     def head(self, target: "VLMTarget") -> nn.Module:
