@@ -70,9 +70,20 @@ def check_device(device: str | torch.device | None, target: "VLMTarget") -> None
                          "target's device (load the target there, or leave the drafter's device unset)")
 
 
+def check_drafter_files(path) -> None:
+    """A drafter checkpoint directory holds config.json and model.safetensors."""
+    from mmspec_ray.targets.base import TargetError
+
+    missing = [f for f in ("config.json", "model.safetensors") if not (path / f).exists()]
+    if missing:
+        raise TargetError(f"drafter checkpoint {path} has no {' or '.join(missing)}; train one with "
+                          "`mmspec train-drafter`")
+
+
 def load_drafter(spec: str | None, target: "VLMTarget", device: str | None = None) -> Drafter:
     """A ready drafter for `target` from a method name ("none", "ngram") or a trained drafter checkpoint directory
-    (`config.json` naming its `method` + `model.safetensors`). None or "" means no drafter (plain AR decoding).
+    or s3:// prefix (`config.json` naming its `method` + `model.safetensors`). None or "" means no drafter (plain
+    AR decoding).
     `device`, when given, must be the target's (see `check_device`)."""
     from pathlib import Path
 
@@ -81,6 +92,10 @@ def load_drafter(spec: str | None, target: "VLMTarget", device: str | None = Non
         return drafter_class("none")()
     if spec in ("ngram",):
         return drafter_class(spec)()
+    if spec.startswith("s3://"):  # mirrored once into the local checkpoint cache, as targets are
+        from mmspec_ray.targets.registry import fetch_checkpoint
+
+        spec = str(fetch_checkpoint(spec, check=check_drafter_files))
     path = Path(spec)
     if not (path / "config.json").exists():
         raise ValueError(f"drafter {spec!r} is neither a method name (none, ngram) nor a drafter checkpoint "

@@ -7,6 +7,7 @@ import importlib
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -153,8 +154,10 @@ def checkpoint_cache() -> Path:
     return home / "checkpoints"
 
 
-def fetch_checkpoint(uri: str, s3: S3Config | None = None) -> Path:
-    """Local paths pass through; s3://bucket/prefix is mirrored into the local cache once (resumable per file)."""
+def fetch_checkpoint(uri: str, s3: S3Config | None = None,
+                     check: Callable[[Path], None] | None = None) -> Path:
+    """Local paths pass through; s3://bucket/prefix is mirrored into the local cache once (resumable per file) and
+    checked by `check` (default: a target checkpoint's files, `check_checkpoint`)."""
     if not uri.startswith("s3://"):
         return Path(uri[len("file://"):] if uri.startswith("file://") else uri)
     from pyarrow import fs
@@ -189,7 +192,7 @@ def fetch_checkpoint(uri: str, s3: S3Config | None = None) -> Path:
         tmp.rename(out)
     log.info("downloaded %d files from %s to %s", len(files), uri, dest)
     try:
-        check_checkpoint(dest)
+        (check or check_checkpoint)(dest)
     except TargetError as e:  # name the URI the user gave, not only the cache directory
         raise TargetError(f"{uri} is not a complete checkpoint: {e}") from e
     done.write_text("ok\n")

@@ -45,7 +45,7 @@ def toy_features(world: ToyWorld, target, recipe: ToyDrafterRecipe, text: bool =
     n = (recipe.text_examples or recipe.examples) if text else recipe.examples
     kind = "text" if text else "multimodal"
     out = world.root / "drafter-data" / f"{kind}-n{n}-t{recipe.max_new_tokens}"
-    if (out / "index.json").exists():
+    if (out / "manifest.json").exists() or (out / "index.json").exists():
         return out
     reqs = toy_text_requests(world, "train", n, seed=1) if text else toy_requests(world, "train", n, seed=1)
     return generate_features(target, reqs, DatagenRecipe(max_new_tokens=recipe.max_new_tokens), out, total=n)

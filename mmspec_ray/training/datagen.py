@@ -7,20 +7,20 @@ distribution it will actually be asked to predict.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from pydantic import BaseModel, Field
-from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from mmspec_ray.config import SamplingParams
 from mmspec_ray.spec.engine import AREngine
 from mmspec_ray.targets.base import Request, VLMTarget
+from mmspec_ray.training.shards import FeatureExample, ShardStore
+
+__all__ = ["DatagenRecipe", "FeatureExample", "answer_and_featurize", "generate_features", "load_features"]
 
 log = logging.getLogger(__name__)
 
@@ -33,17 +33,6 @@ class DatagenRecipe(BaseModel):
     top_p: float = 1.0
     seed: int = 0
     dtype: str = "float16"  # storage dtype of features
-
-
-@dataclass(frozen=True)
-class FeatureExample:
-    """One target-answered sequence. Position t of `hidden` is the target's feature after reading input_ids[:t+1]."""
-
-    input_ids: torch.Tensor  # [L] long: prompt (media placeholders expanded) + the target's answer
-    hidden: torch.Tensor  # [L, d] last post-norm hidden state (what lm_head consumes)
-    embeds: torch.Tensor  # [L, d] input embeddings with media features merged
-    n_prompt: int  # leading prompt positions (no loss on predicting them)
-    media: torch.Tensor | None = None  # [L] bool: image/video token positions (None: features stored before it was)
 
 
 def extend_inputs(inputs: dict, extra: list[int]) -> dict:
@@ -77,58 +66,38 @@ def answer_and_featurize(target: VLMTarget, request: Request, recipe: DatagenRec
 
 def generate_features(target: VLMTarget, requests: Iterable[Request], recipe: DatagenRecipe, out_dir: str | Path,
                       total: int | None = None, shard_size: int = 256) -> Path:
-    """Answer + featurize every request into safetensors shards under out_dir (index.json lists them).
-    Resumable: finished shards are kept and their requests skipped."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    done = {p.name for p in out.glob("shard-*.safetensors")}
+    """Answer + featurize every request in this process into shards under out_dir (the format of
+    `training/shards.py`, the one the Ray Data job writes too). Resumable: finished shards are kept and their
+    requests skipped. Rows are identified by their position in `requests`."""
+    store = ShardStore(str(out_dir))
+    done = set(store.shard_names())
     shard: list[FeatureExample] = []
+    ids: list[str] = []
+    errors: dict[str, dict[str, str]] = {}
     current = ""
-    skipped = 0
     for i, req in enumerate(tqdm(requests, total=total, desc="datagen (target answers)", unit="prompt")):
         name = f"shard-{i // shard_size:05d}.safetensors"
-        if name != current and shard:
-            _write_shard(out / current, shard)
-            shard = []
+        if name != current and ids:
+            store.write_shard(current, shard, ids, errors)
+            shard, ids, errors = [], [], {}
         current = name
-        if name not in done:
-            ex = answer_and_featurize(target, req, recipe)
-            if ex is None:
-                skipped += 1
-            else:
-                shard.append(ex)
-    if shard:
-        _write_shard(out / current, shard)
-    if skipped:
-        log.warning("skipped %d answers that contained media placeholder tokens", skipped)
-    (out / "index.json").write_text(json.dumps({"recipe": recipe.model_dump(),
-                                                "shards": sorted(p.name for p in out.glob("shard-*.safetensors"))}))
-    return out
+        if name in done:
+            continue
+        ids.append(str(i))
+        ex = answer_and_featurize(target, req, recipe)
+        if ex is None:
+            errors[str(i)] = {"error": "answer: contains a media placeholder token", "error_kind": "invalid"}
+        else:
+            shard.append(ex)
+    if ids:
+        store.write_shard(current, shard, ids, errors)
+    manifest = store.write_manifest({"recipe": recipe.model_dump(), "writer": "in-process"})
+    if manifest["errors"]:
+        log.warning("%d prompts gave no example (answers containing media placeholder tokens)",
+                    len(manifest["errors"]))
+    return Path(out_dir)
 
 
-def _write_shard(path: Path, examples: list[FeatureExample]) -> None:
-    tensors: dict[str, torch.Tensor] = {}
-    for j, ex in enumerate(examples):
-        tensors[f"{j}.input_ids"] = ex.input_ids
-        tensors[f"{j}.hidden"] = ex.hidden.contiguous()
-        tensors[f"{j}.embeds"] = ex.embeds.contiguous()
-        tensors[f"{j}.n_prompt"] = torch.tensor([ex.n_prompt])
-        if ex.media is not None:
-            tensors[f"{j}.media"] = ex.media.to(torch.uint8)
-    tmp = path.with_suffix(".partial")
-    save_file(tensors, str(tmp))
-    tmp.rename(path)
-
-
-def load_features(out_dir: str | Path) -> list[FeatureExample]:
-    out = Path(out_dir)
-    if not (out / "index.json").exists():
-        raise FileNotFoundError(f"{out} has no index.json; run data generation first")
-    examples: list[FeatureExample] = []
-    for name in json.loads((out / "index.json").read_text())["shards"]:
-        t = load_file(str(out / name))
-        n = len({k.split(".")[0] for k in t})
-        examples += [FeatureExample(t[f"{j}.input_ids"], t[f"{j}.hidden"], t[f"{j}.embeds"],
-                                    int(t[f"{j}.n_prompt"][0]),
-                                    t[f"{j}.media"].bool() if f"{j}.media" in t else None) for j in range(n)]
-    return examples
+def load_features(uri: str | Path) -> list[FeatureExample]:
+    """Every example of a shard directory (local or s3://)."""
+    return ShardStore(str(uri)).load_all()

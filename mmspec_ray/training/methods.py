@@ -20,7 +20,7 @@ from mmspec_ray.drafters.eagle import Eagle2Drafter, Eagle2Head
 from mmspec_ray.drafters.hivis import HiViSDrafter, HiViSHead
 from mmspec_ray.drafters.msd import MSDDrafter, MSDHead
 from mmspec_ray.drafters.specflash import SpecFlashDrafter, SpecFlashHead
-from mmspec_ray.training.datagen import FeatureExample
+from mmspec_ray.training.shards import FeatureExample
 from mmspec_ray.training.losses import eagle_loss
 from mmspec_ray.training.specflash import expand_example, specflash_loss
 
@@ -78,6 +78,11 @@ class TrainingMethod:
 
     def head(self, target: "VLMTarget") -> nn.Module:
         return self.head_class(self.head_class.config_class.for_target(target))
+
+    def head_from_config(self, config: dict) -> nn.Module:
+        """A fresh head from a saved head config (`head.cfg.model_dump()`): how training workers that never load
+        the target build it."""
+        return self.head_class(self.head_class.config_class.model_validate(config))
 
     def drafter(self, head: nn.Module, target: "VLMTarget") -> "Drafter":
         return self.drafter_class(head, target)

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,7 @@ from mmspec_ray.training.methods import TrainingMethod, training_method
 from mmspec_ray.training.schedule import StageSchedule
 
 log = logging.getLogger(__name__)
-__all__ = ["TrainConfig", "train_drafter", "heldout_tau", "stage_schedule"]
+__all__ = ["TrainConfig", "train_drafter", "heldout_tau", "stage_schedule", "make_optimizer", "train_step"]
 
 
 class TrainConfig(BaseModel):
@@ -67,6 +68,31 @@ def heldout_tau(target: VLMTarget, drafter, requests: list[Request], tree: TreeC
     return acc / max(1, cyc)
 
 
+def make_optimizer(head: torch.nn.Module, cfg: TrainConfig, total_steps: int):
+    """AdamW (0.9, 0.95) with linear warm-up then cosine decay over `total_steps` (shared by both trainers)."""
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    total = max(1, total_steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total))))
+    return opt, sched
+
+
+def train_step(m: TrainingMethod, head: torch.nn.Module, batch: dict[str, torch.Tensor], W: torch.Tensor,
+               cfg: TrainConfig, opt, sched, reduce_grads: Callable[[torch.nn.Module], None] | None = None
+               ) -> tuple[float, dict[str, float]]:
+    """One optimiser step on one batch: the method's loss, backward, (data-parallel gradient averaging across
+    workers via `reduce_grads`), value clipping, AdamW and the LR schedule. Returns (loss, the loss's parts)."""
+    loss, parts = m.loss(head, batch, W, cfg.p_weight)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if reduce_grads is not None:
+        reduce_grads(head)
+    torch.nn.utils.clip_grad_value_(head.parameters(), cfg.grad_clip)
+    opt.step()
+    sched.step()
+    return float(loss.detach()), parts
+
+
 def train_drafter(method: str | TrainingMethod, target: VLMTarget, examples: list[FeatureExample],
                   out_dir: str | Path, cfg: TrainConfig, heldout: list[Request] = (), tree: TreeConfig | None = None,
                   resume: bool = True, text_examples: list[FeatureExample] = ()) -> Path:
@@ -86,11 +112,8 @@ def train_drafter(method: str | TrainingMethod, target: VLMTarget, examples: lis
     torch.manual_seed(cfg.seed)
     head = m.head(target).float().train()
     W = target.model.get_output_embeddings().weight.detach().float()
-    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     steps_per_epoch = math.ceil(stages.items_per_epoch(n_mm, len(text_examples)) / cfg.batch_size)
-    total = steps_per_epoch * cfg.epochs
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total))))
+    opt, sched = make_optimizer(head, cfg, steps_per_epoch * cfg.epochs)
     state_path = out / "trainer_state.pt"
     history: list[dict] = []
     start_epoch = 0
@@ -118,16 +141,11 @@ def train_drafter(method: str | TrainingMethod, target: VLMTarget, examples: lis
         parts_sum = {"loss": 0.0, "vloss": 0.0, "ploss": 0.0, "top1": 0.0}
         bar = tqdm(batches, desc=f"train {m.name} drafter epoch {epoch + 1}/{cfg.epochs}", unit="batch")
         for idx in bar:
-            loss, parts = m.loss(head, m.collate(pool, idx, cfg.noise, gen), W, cfg.p_weight)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_value_(head.parameters(), cfg.grad_clip)
-            opt.step()
-            sched.step()
-            parts_sum["loss"] += float(loss.detach())
+            loss, parts = train_step(m, head, m.collate(pool, idx, cfg.noise, gen), W, cfg, opt, sched)
+            parts_sum["loss"] += loss
             for k, v in parts.items():
                 parts_sum[k] = parts_sum.get(k, 0.0) + v
-            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", top1=f"{parts.get('top1', float('nan')):.2f}")
+            bar.set_postfix(loss=f"{loss:.3f}", top1=f"{parts.get('top1', float('nan')):.2f}")
         n = max(1, len(batches))
         rec = {"epoch": epoch + 1, **{k: v / n for k, v in parts_sum.items()}, "train_s": time.time() - t0,
                "multimodal_share": sum(mm for mm, _ in items) / max(1, len(items)) if stages.mixed

@@ -1,0 +1,252 @@
+"""Data-parallel drafter training on Ray Train (`TorchTrainer`): N workers (CPU or GPU), each streaming its share
+of the feature shards (local or s3://), gradients averaged across workers every step, a checkpoint per epoch in the
+run's storage (local or s3://), and a restart from the last checkpoint when a worker dies (`max_failures`).
+
+It shares everything but the data loop with the single-process trainer (`trainer.py`): the method's head, collate
+and loss, the optimiser and LR schedule (`make_optimizer`) and the step (`train_step`). The target is never loaded
+on a worker: the driver hands over the head's config and the target's LM-head weight (`HeadInit`).
+
+Data loop (so that memory per worker is one shard, whatever the data set's size): every epoch the shard order is
+drawn from (seed, epoch), identically on every worker; worker r reads shards r, r+W, r+2W ... of that order
+(wrapping around), shuffles each shard's examples, and makes batches of batch_size / W from them. Every worker runs
+the same number of steps per epoch, ceil(items / batch_size) as the single-process trainer, so one step consumes
+one global batch of `batch_size` examples. A two-stage schedule keeps each multimodal example with probability
+r_e * n / N_mm and each text-only one with (1 - r_e) * n / N_text (n = min(N_mm, N_text)): the single-process
+schedule's expected mixture.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import BaseModel, Field
+
+from mmspec_ray.config import S3Config
+from mmspec_ray.training.methods import training_method
+from mmspec_ray.training.schedule import StageSchedule
+from mmspec_ray.training.shards import FeatureExample, ShardStore
+from mmspec_ray.training.trainer import TrainConfig, make_optimizer, stage_schedule, train_step
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.pt"
+HEAD_INIT_FILE = "head_init.safetensors"
+
+
+class DistributedConfig(BaseModel):
+    """How Ray Train runs: workers, their resources, where checkpoints go, how many worker failures to survive."""
+
+    num_workers: int = Field(2, ge=1)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(1.0, gt=0)
+    storage: str = Field(..., description="local directory or s3:// prefix for Ray Train's checkpoints")
+    name: str = Field("drafter-train", description="run name: a re-run with the same storage and name resumes")
+    max_failures: int = Field(3, ge=0, description="worker-group restarts (from the last checkpoint) before giving up")
+
+
+class HeadInit(BaseModel):
+    """What a worker needs instead of the target: the method, its head config and the LM head (a file path)."""
+
+    method: str
+    head_config: dict[str, Any]
+    lm_head_path: str  # safetensors with "weight" [V, d]; local path visible to every worker or s3://
+
+
+def shard_plan(manifest: dict[str, Any], rank: int, world: int, epoch: int, seed: int) -> Iterator[int]:
+    """Shard indices worker `rank` reads in `epoch`, in order, forever (wrapping around the epoch's order)."""
+    n = len(manifest["shards"])
+    order = np.random.default_rng([seed, epoch, 7]).permutation(n)
+    k = rank % n
+    while True:
+        yield int(order[k % n])
+        k += world
+
+
+def keep_probabilities(stages: StageSchedule, epoch: int, n_mm: int, n_text: int) -> tuple[float, float]:
+    """(p multimodal, p text): each example's chance to be used in `epoch` (1-indexed), matching the in-memory
+    schedule's expected mixture."""
+    if stages.text_epochs == 0:
+        return 1.0, 0.0
+    if n_mm == 0 or n_text == 0:
+        raise ValueError(f"a two-stage schedule needs text and multimodal examples (got {n_text} text, "
+                         f"{n_mm} multimodal)")
+    n = min(n_mm, n_text)
+    r = stages.ratio(epoch)
+    return r * n / n_mm, (1 - r) * n / n_text
+
+
+def local_batches(store: ShardStore, manifest: dict[str, Any], stages: StageSchedule, cfg: TrainConfig,
+                  epoch: int, rank: int, world: int, local_bs: int) -> Iterator[tuple[list[FeatureExample],
+                                                                                   list[int]]]:
+    """Endless (pool, batch indices) of this worker in `epoch` (0-indexed), one shard in memory at a time."""
+    mm_counts = manifest.get("multimodal_per_shard", manifest["examples_per_shard"])
+    n_mm = sum(mm_counts)
+    n_text = sum(manifest["examples_per_shard"]) - n_mm
+    p_mm, p_text = keep_probabilities(stages, epoch + 1, n_mm, n_text)
+    for pass_no, s in enumerate(shard_plan(manifest, rank, world, epoch, cfg.seed)):
+        rng = np.random.default_rng([cfg.seed, epoch, s, pass_no])
+        pool = store.load_shard(manifest["shards"][s])
+        keep = [i for i in rng.permutation(len(pool))
+                if rng.random() < (p_mm if pool[i].multimodal else p_text)]
+        # length-bucketed, as the single-process trainer: sort chunks by length to limit padding
+        for c0 in range(0, len(keep), local_bs * 8):
+            chunk = sorted(keep[c0:c0 + local_bs * 8], key=lambda j: pool[j].input_ids.shape[0])
+            for b0 in range(0, len(chunk), local_bs):
+                yield pool, chunk[b0:b0 + local_bs]
+
+
+def steps_per_epoch(manifest: dict[str, Any], stages: StageSchedule, batch_size: int) -> int:
+    """The single-process trainer's steps per epoch for the same data."""
+    total = sum(manifest["examples_per_shard"])
+    n_mm = sum(manifest.get("multimodal_per_shard", manifest["examples_per_shard"]))
+    return max(1, math.ceil(stages.items_per_epoch(n_mm, total - n_mm) / batch_size))
+
+
+def _average_grads(head: torch.nn.Module) -> None:
+    """All-reduce every gradient and divide by the world size (what DDP does, method-agnostic: a method's loss may
+    call its head's parts directly, which DDP's forward hooks would miss)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    grads = [p.grad for p in head.parameters() if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= world
+    at = 0
+    for g in grads:
+        g.copy_(flat[at:at + g.numel()].view_as(g))
+        at += g.numel()
+
+
+def _broadcast_params(head: torch.nn.Module) -> None:
+    import torch.distributed as dist
+
+    for p in head.parameters():
+        dist.broadcast(p.data, src=0)
+
+
+def _load_lm_head(path: str, s3: S3Config, device: torch.device) -> torch.Tensor:
+    from safetensors.torch import load
+
+    parent, name = path.rsplit("/", 1)
+    return load(ShardStore(parent, s3).read(name))["weight"].float().to(device)
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """The Ray Train worker function: resume from the last checkpoint if any, then train epoch by epoch."""
+    import ray.train
+    import torch.distributed as dist
+    from ray.train import Checkpoint
+
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    cfg = TrainConfig.model_validate(config["train"])
+    init = HeadInit.model_validate(config["init"])
+    s3 = S3Config.model_validate(config["s3"])
+    if config.get("torch_threads"):
+        torch.set_num_threads(int(config["torch_threads"]))
+    device = torch.device("cuda", torch.cuda.current_device()) if config["use_gpu"] else torch.device("cpu")
+    m = training_method(init.method)
+    store = ShardStore(config["data"], s3)
+    manifest = store.manifest()
+    stages = stage_schedule(m, cfg)
+    steps = steps_per_epoch(manifest, stages, cfg.batch_size)
+    local_bs = max(1, math.ceil(cfg.batch_size / world))
+    torch.manual_seed(cfg.seed)
+    head = m.head_from_config(init.head_config).float().to(device).train()
+    W = _load_lm_head(init.lm_head_path, s3, device)
+    opt, sched = make_optimizer(head, cfg, steps * cfg.epochs)
+    history: list[dict[str, Any]] = []
+    starts: list[int] = []
+    start_epoch = 0
+    ckpt = ray.train.get_checkpoint()
+    if ckpt is not None:
+        with ckpt.as_directory() as d:
+            st = torch.load(Path(d) / STATE_FILE, weights_only=False, map_location=device)
+        head.load_state_dict(st["head"])
+        opt.load_state_dict(st["opt"])
+        sched.load_state_dict(st["sched"])
+        start_epoch, history, starts = st["epoch"], st["history"], st.get("starts", [])
+        log.info("worker %d/%d: resuming %s training at epoch %d", rank, world, m.name, start_epoch)
+    else:
+        _broadcast_params(head)  # identical start on every worker whatever its RNG did
+    starts.append(start_epoch)
+    for epoch in range(start_epoch, cfg.epochs):
+        t0 = time.time()
+        gen = torch.Generator().manual_seed(cfg.seed * 100_003 + epoch * 1_009 + rank)
+        sums: dict[str, float] = {"loss": 0.0}
+        batches = local_batches(store, manifest, stages, cfg, epoch, rank, world, local_bs)
+        for _ in range(steps):
+            pool, idx = next(batches)
+            batch = {k: v.to(device) for k, v in m.collate(pool, idx, cfg.noise, gen).items()}
+            loss, parts = train_step(m, head, batch, W, cfg, opt, sched, reduce_grads=_average_grads)
+            sums["loss"] += loss
+            for k, v in parts.items():
+                sums[k] = sums.get(k, 0.0) + v
+        mean = torch.tensor([sums[k] / steps for k in sorted(sums)], dtype=torch.float64)
+        dist.all_reduce(mean)  # report the mean over workers
+        rec = {"epoch": epoch + 1, **{k: float(v) / world for k, v in zip(sorted(sums), mean)},
+               "train_s": time.time() - t0, "steps": steps, "workers": world,
+               "multimodal_share": stages.ratio(epoch + 1)}
+        history.append(rec)
+        with tempfile.TemporaryDirectory() as d:
+            checkpoint = None
+            if rank == 0:
+                head.save(d)
+                torch.save({"method": m.name, "head": head.state_dict(), "opt": opt.state_dict(),
+                            "sched": sched.state_dict(), "epoch": epoch + 1, "history": history,
+                            "starts": starts}, Path(d) / STATE_FILE)
+                (Path(d) / "history.json").write_text(json.dumps({"history": history, "starts": starts}, indent=2))
+                checkpoint = Checkpoint.from_directory(d)
+                log.info("%s drafter epoch %d/%d (%d workers): %s", m.name, epoch + 1, cfg.epochs, world,
+                         json.dumps(rec))
+            ray.train.report(rec, checkpoint=checkpoint)
+
+
+def fit(data: str, init: HeadInit, cfg: TrainConfig, dist_cfg: DistributedConfig, s3: S3Config | None = None,
+        torch_threads: int | None = None) -> Path:
+    """Run the Ray Train job (connecting to / starting Ray as the batch jobs do) and return a local directory
+    holding the final checkpoint: the drafter (config.json + model.safetensors) and `history.json`."""
+    import ray.train
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from mmspec_ray.batch.cluster import connect_ray
+    from mmspec_ray.batch.storage import locate
+
+    s3 = s3 or S3Config.from_env()
+    connect_ray()
+    storage = locate(dist_cfg.storage, s3)
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"data": data, "init": init.model_dump(), "train": cfg.model_dump(),
+                           "s3": s3.model_dump(mode="json"), "use_gpu": dist_cfg.use_gpu,
+                           "torch_threads": torch_threads or max(1, int(dist_cfg.cpus_per_worker))},
+        scaling_config=ScalingConfig(num_workers=dist_cfg.num_workers, use_gpu=dist_cfg.use_gpu,
+                                     resources_per_worker={"CPU": dist_cfg.cpus_per_worker}),
+        run_config=RunConfig(name=dist_cfg.name, storage_path=storage.path if storage.is_s3 else storage.uri,
+                             storage_filesystem=storage.fs if storage.is_s3 else None,
+                             failure_config=FailureConfig(max_failures=dist_cfg.max_failures),
+                             checkpoint_config=CheckpointConfig(num_to_keep=2)),
+    )
+    result = trainer.fit()
+    if result.error is not None:
+        raise result.error
+    if result.checkpoint is None:
+        raise RuntimeError("Ray Train finished without a checkpoint")
+    out = Path(tempfile.mkdtemp(prefix="mmspec-drafter-"))
+    result.checkpoint.to_directory(str(out))
+    os.remove(out / STATE_FILE)  # optimiser state stays in the run's storage; the drafter is what ships
+    return out

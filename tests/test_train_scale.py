@@ -1,0 +1,176 @@
+"""Training a drafter for a user's own (non-toy) checkpoint at scale, against a loopback S3 (moto): requests in
+parquet on S3 -> data generation on Ray Data (bad rows recorded, resumable) -> 2-worker CPU training on Ray Train
+with one worker killed mid-run (the run resumes from its last checkpoint) -> a drafter on S3 that loads with
+`load_drafter("s3://...")` and decodes losslessly."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from mmspec_ray.drafters.base import load_drafter  # noqa: E402
+from mmspec_ray.drafters.eagle import Eagle2Drafter  # noqa: E402
+from mmspec_ray.spec.engine import SpecEngine  # noqa: E402
+from mmspec_ray.spec.tree import TreeConfig  # noqa: E402
+from mmspec_ray.targets import Request, load_target  # noqa: E402
+from mmspec_ray.training.datagen_job import DatagenJob, run_datagen  # noqa: E402
+from mmspec_ray.training.pipeline import TrainJob, run_train_job  # noqa: E402
+from mmspec_ray.training.shards import ShardStore  # noqa: E402
+from mmspec_ray.training.trainer import TrainConfig  # noqa: E402
+from tiny import random_images  # noqa: E402
+
+MAX_NEW = 12
+SCHEMA = pa.schema([("id", pa.string()), ("prompt", pa.string()), ("image", pa.binary()), ("image_uri", pa.string())])
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(s3_server):
+    """A local Ray for this module (started after the S3 fixture, so workers inherit its credentials)."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ["RAY_DATA_DISABLE_PROGRESS_BARS"] = "1"
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def png(img) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def request_rows(s3_server, bucket: str, n: int) -> list[dict]:
+    """n image rows (bytes or an s3:// uri), two text-only rows, and two bad rows (a missing image object, a null
+    prompt)."""
+    rows = []
+    for i, img in enumerate(random_images(n, seed=5)):
+        data = png(img)
+        uri = s3_server.put(bucket, f"media/{i}.png", data) if i % 2 else None
+        rows.append({"id": f"r{i:03d}", "prompt": f"describe the image {i % 3}", "image": None if uri else data,
+                     "image_uri": uri})
+    rows.insert(3, {"id": "text-0", "prompt": "say something", "image": None, "image_uri": None})
+    rows.insert(5, {"id": "text-1", "prompt": "say something else", "image": None, "image_uri": None})
+    rows.insert(7, {"id": "bad-missing", "prompt": "describe", "image": None,
+                    "image_uri": f"s3://{bucket}/media/nope.png"})
+    rows.insert(9, {"id": "bad-null", "prompt": None, "image": png(random_images(1, seed=9)[0]), "image_uri": None})
+    return rows
+
+
+def put_rows(s3_server, bucket: str, rows: list[dict]) -> str:
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), buf)
+    return s3_server.put(bucket, "requests/part-0.parquet", buf.getvalue())
+
+
+def train_worker_pids() -> list[int]:
+    """Processes running a Ray Train worker (Ray names them ray::RayTrainWorker...)."""
+    pids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if b"RayTrainWorker" in (p / "cmdline").read_bytes():
+                    pids.append(int(p.name))
+            except OSError:
+                continue
+    return pids
+
+
+def kill_one_worker_after_checkpoints(s3_server, bucket: str, prefix: str, killed: list[int],
+                                      stop: threading.Event, after: int = 4) -> None:
+    """SIGKILL one Ray Train worker once `after` checkpoints have been written (Ray Train's controller registers
+    reports on its polling cadence, and a worker's reports block once a few are pending, so by the fourth the
+    earlier ones are registered and the restart has one to resume from)."""
+    seen: set[str] = set()
+    while not stop.is_set():
+        keys = s3_server.client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
+        seen |= {k["Key"].split("/")[-2] for k in keys if k["Key"].endswith("trainer_state.pt")}
+        if len(seen) >= after:
+            pids = train_worker_pids()
+            if pids:
+                os.kill(pids[-1], signal.SIGKILL)
+                killed.append(pids[-1])
+                return
+        time.sleep(0.05)
+
+
+def test_train_drafter_for_a_saved_checkpoint_from_s3_on_ray_data_and_ray_train(s3_server, ray_cluster, ckpt,
+                                                                                 monkeypatch):
+    bucket = s3_server.new_bucket("train")
+    rows = request_rows(s3_server, bucket, 22)
+    data = put_rows(s3_server, bucket, rows)
+    s3 = s3_server.s3_config.model_dump()
+    job = TrainJob(method="eagle2", target=ckpt, data=data, out=f"s3://{bucket}/drafters/eagle2",
+                   work=f"s3://{bucket}/work", heldout=3, num_workers=2, cpus_per_worker=0.5, max_failures=2,
+                   train=TrainConfig(epochs=12, batch_size=4, lr=3e-3, warmup_steps=2, eval_max_new_tokens=8),
+                   recipe={"max_new_tokens": MAX_NEW}, decode={"s3": s3, "device": "cpu"})
+    killed: list[int] = []
+    stop = threading.Event()
+    killer = threading.Thread(target=kill_one_worker_after_checkpoints,
+                              args=(s3_server, bucket, "work/ray-train/", killed, stop), daemon=True)
+    killer.start()
+    try:
+        summary = run_train_job(job)
+    finally:
+        stop.set()
+        killer.join(5)
+
+    # data generation: every non-held-out row is in a shard, as an example or as a recorded error
+    store = ShardStore(f"s3://{bucket}/work/features", s3_server.s3_config)
+    manifest = store.manifest()
+    held = [r["id"] for r in rows[-3:]]
+    assert manifest["rows"] == len(rows) - 3 and set(manifest["held_out"]) == set(held)
+    assert manifest["errors"]["bad-missing"]["error_kind"] == "media.not_found"
+    assert manifest["errors"]["bad-null"]["error_kind"] == "null_field"
+    assert manifest["examples"] + len(manifest["errors"]) == manifest["rows"]
+    assert manifest["examples"] >= 18 and sum(manifest["multimodal_per_shard"]) == manifest["examples"] - 2
+    # a re-run answers nothing again (resume), and lists the same shards
+    again = run_datagen(DatagenJob(input=data, output=store.uri, decode=job.decode_config(),
+                                   recipe=job.recipe, exclude_ids=tuple(held)))
+    assert again["shards"] == manifest["shards"] and again["rows"] == manifest["rows"]
+
+    # Ray Train: one worker was killed after the first checkpoint; the group restarted from a checkpoint
+    assert killed, "the killer never found a checkpoint and a worker to kill"
+    hist = summary["history"]
+    assert len(hist["starts"]) >= 2 and 0 < hist["starts"][-1] < 12, hist
+    assert [h["epoch"] for h in hist["history"]] == list(range(1, 13)) and hist["history"][0]["workers"] == 2
+    assert hist["history"][-1]["loss"] < hist["history"][0]["loss"]
+    assert summary["heldout_rows"] == 3 and 0 <= summary["heldout_tau"] <= TreeConfig().depth
+
+    # the drafter on S3 loads by its URI (endpoint from the environment, as a user sets it) and decodes exactly as
+    # the target alone: HF generate, greedy
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_server.endpoint_url)
+    target = load_target(ckpt)
+    drafter = load_drafter(job.out, target)
+    assert isinstance(drafter, Eagle2Drafter)
+    engine = SpecEngine(target, drafter, TreeConfig(top_k=4, depth=3, total_tokens=12))
+    for i, img in enumerate(random_images(4, seed=77)):
+        req = Request(prompt=f"describe the image {i}", images=(img,))
+        inputs = target.encode(req)
+        with torch.inference_mode():
+            hf = target.model.generate(**inputs, do_sample=False, max_new_tokens=16)
+        assert engine.generate(req, max_new_tokens=16).token_ids == hf[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def test_single_process_trainer_on_the_same_path(ray_cluster, ckpt, tmp_path):
+    """`num_workers` 0: the same datagen job, then the in-memory trainer; local input and output."""
+    rows = [{"id": f"r{i}", "prompt": "describe the image", "image": png(img), "image_uri": None}
+            for i, img in enumerate(random_images(10, seed=3))]
+    pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), tmp_path / "req.parquet")
+    job = TrainJob(target=ckpt, data=str(tmp_path / "req.parquet"), out=str(tmp_path / "drafter"), heldout=2,
+                   train=TrainConfig(epochs=2, batch_size=4, warmup_steps=2, eval_max_new_tokens=8),
+                   recipe={"max_new_tokens": 8}, decode={"device": "cpu"})
+    summary = run_train_job(job)
+    assert summary["trainer"] == "single-process" and summary["examples"] + summary["row_errors"] == 8
+    assert (tmp_path / "drafter" / "model.safetensors").exists()
+    assert [h["epoch"] for h in summary["history"]] == [1, 2]
