@@ -60,6 +60,19 @@ def cmd_toy_gate(a: argparse.Namespace) -> int:
     return 0 if rep.passed() else 1
 
 
+def cmd_toy_requests(a: argparse.Namespace) -> int:
+    import pyarrow.parquet as pq
+
+    from mmspec_ray.toy.build import build_toy
+    from mmspec_ray.toy.prompts import toy_request_table
+
+    table = toy_request_table(build_toy(a.size), a.split, a.limit, seed=a.seed)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, a.out)
+    print(f"{table.num_rows} {a.size} {a.split} requests -> {a.out}")
+    return 0
+
+
 def resolve_drafter(drafter: str | None, target: str) -> str | None:
     """A drafter checkpoint directory, a training-free method name, or a trained method name on a toy target
     (e.g. `--target toy-s --drafter eagle2`: the toy world's drafter, trained on first use)."""
@@ -108,6 +121,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def cmd_train_drafter(a: argparse.Namespace) -> int:
     from mmspec_ray.toy.model import TOY_SIZES
 
+    if a.data is not None:  # any target (a toy world's too): requests -> Ray Data datagen -> training -> --out
+        from mmspec_ray.toy.resolve import resolve_target
+        from mmspec_ray.training.cli import run
+
+        return run(a, resolve_target(a.target))
     if a.target in TOY_SIZES:
         from mmspec_ray.toy.drafter import RECIPES, build_toy_drafter, train_drafter_on_world
         from mmspec_ray.toy.build import build_toy
@@ -132,8 +150,8 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
         recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update=train)})
         print(train_drafter_on_world(build_toy(a.target), Path(a.out), a.method, recipe, resume=not a.force))
         return 0
-    raise SystemExit("train-drafter on a non-toy target needs a prompt data set; for now train on a toy world "
-                     "(--target toy-s) or call mmspec_ray.training.generate_features / train_drafter from Python")
+    raise UsageError(f"--target {a.target}: a checkpoint needs --data (a parquet of request rows the target "
+                     "answers) and --out; without --data only the toy worlds (toy-s, toy-m) train on their own data")
 
 
 def _assistant(spec: str, target: str):
@@ -204,6 +222,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--force", action="store_true", help="rebuild even if cached")
     b.set_defaults(fn=cmd_toy_build)
+    r = toy.add_parser("requests", help="write a split's prompts as a parquet of request rows (e.g. --data of "
+                       "train-drafter)")
+    r.add_argument("--size", default="toy-s", choices=["toy-s", "toy-m"])
+    r.add_argument("--split", default="train")
+    r.add_argument("--limit", type=int, default=None)
+    r.add_argument("--seed", type=int, default=1)
+    r.add_argument("--out", required=True, help="parquet file to write")
+    r.set_defaults(fn=cmd_toy_requests)
     g = toy.add_parser("gate", help="quality gate of a toy target on a held-out split")
     g.add_argument("--size", default="toy-s", choices=["toy-s", "toy-m"])
     g.add_argument("--seed", type=int, default=0)
@@ -244,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     td = sub.add_parser("train-drafter", help="generate target-answered features and train a drafter")
     td.add_argument("--method", default="eagle2", choices=list(TRAINED_METHODS))
-    td.add_argument("--target", default="toy-s", help="toy-s / toy-m")
+    td.add_argument("--target", default="toy-s",
+                    help="toy-s / toy-m, or (with --data) a checkpoint directory or s3:// prefix")
     td.add_argument("--out", default=None, help="checkpoint directory (default: the toy world's drafters/METHOD)")
     td.add_argument("--examples", type=int, default=None, help="training prompts the target answers")
     td.add_argument("--epochs", type=int, default=None)
@@ -258,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--direct", action="store_true",
                     help="stage 2 all multimodal from its first epoch (default: MSD's gradual text->multimodal ramp)")
     td.add_argument("--force", action="store_true", help="start over instead of resuming")
+    from mmspec_ray.training.cli import add_data_args
+
+    add_data_args(td)
     td.set_defaults(fn=cmd_train_drafter)
 
     be = sub.add_parser("bench", help="AR vs drafters vs HF peers on held-out toy prompts (JSON + markdown)")

@@ -6,6 +6,7 @@ with one worker killed mid-run (the run resumes from its last checkpoint) -> a d
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import threading
@@ -162,15 +163,21 @@ def test_train_drafter_for_a_saved_checkpoint_from_s3_on_ray_data_and_ray_train(
         assert engine.generate(req, max_new_tokens=16).token_ids == hf[0, inputs["input_ids"].shape[1]:].tolist()
 
 
-def test_single_process_trainer_on_the_same_path(ray_cluster, ckpt, tmp_path):
-    """`num_workers` 0: the same datagen job, then the in-memory trainer; local input and output."""
+def test_cli_single_process_trainer_on_the_same_path(ray_cluster, ckpt, tmp_path, capsys):
+    """`mmspec train-drafter --target DIR --data PARQUET` (num-workers 0): the same datagen job, then the in-memory
+    trainer; local input and output; the printed summary is what was measured."""
+    from mmspec_ray.cli import main
+
     rows = [{"id": f"r{i}", "prompt": "describe the image", "image": png(img), "image_uri": None}
             for i, img in enumerate(random_images(10, seed=3))]
     pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), tmp_path / "req.parquet")
-    job = TrainJob(target=ckpt, data=str(tmp_path / "req.parquet"), out=str(tmp_path / "drafter"), heldout=2,
-                   train=TrainConfig(epochs=2, batch_size=4, warmup_steps=2, eval_max_new_tokens=8),
-                   recipe={"max_new_tokens": 8}, decode={"device": "cpu"})
-    summary = run_train_job(job)
+    out = tmp_path / "drafter"
+    argv = ["train-drafter", "--target", ckpt, "--data", str(tmp_path / "req.parquet"), "--out", str(out),
+            "--heldout", "2", "--epochs", "2", "--batch-size", "4", "--max-new-tokens", "8", "--device", "cpu"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
     assert summary["trainer"] == "single-process" and summary["examples"] + summary["row_errors"] == 8
-    assert (tmp_path / "drafter" / "model.safetensors").exists()
-    assert [h["epoch"] for h in summary["history"]] == [1, 2]
+    saved = json.loads((out / "history.json").read_text())
+    assert saved["heldout_tau"] == summary["heldout_tau"] and [h["epoch"] for h in saved["history"]] == [1, 2]
+    assert (out / "model.safetensors").exists() and not (out / "trainer_state.pt").exists()
+    assert main(["train-drafter", "--target", ckpt, "--out", str(out)]) == 2  # a checkpoint needs --data

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mmspec_ray.media import load_image, load_video
@@ -23,6 +24,19 @@ def toy_rows(world: ToyWorld, split: str, limit: int | None = None, seed: int = 
     order = np.random.default_rng(seed).permutation(len(rows))
     rows = [rows[i] for i in order]
     return rows[:limit] if limit is not None else rows
+
+
+def toy_request_table(world: ToyWorld, split: str, limit: int | None = None, seed: int = 0,
+                      tasks: tuple[str, ...] | None = None) -> pa.Table:
+    """The split's prompts as request rows any job reads (id, task, prompt, image_uri / video_uri as absolute
+    paths): e.g. the `--data` of `mmspec train-drafter` for a toy target."""
+    rows = toy_rows(world, split, limit, seed, tasks)
+    media = [str(world.data / r["media_path"]) for r in rows]
+    is_image = [r["media_type"] == "image" for r in rows]
+    return pa.table({"id": [str(r["id"]) for r in rows], "task": [r["task"] for r in rows],
+                     "prompt": [r["prompt"] for r in rows],
+                     "image_uri": pa.array([m if i else None for m, i in zip(media, is_image)], pa.string()),
+                     "video_uri": pa.array([None if i else m for m, i in zip(media, is_image)], pa.string())})
 
 
 def row_request(world: ToyWorld, row: dict, num_frames: int | None = None) -> Request:

@@ -148,7 +148,7 @@ def run_train_job(job: TrainJob) -> dict[str, Any]:
         init = write_head_init(m, target, job.work_dir.rstrip("/") + "/init", cfg.s3)
         dist_cfg = DistributedConfig(num_workers=job.num_workers, use_gpu=job.use_gpu,
                                      cpus_per_worker=job.cpus_per_worker, max_failures=job.max_failures,
-                                     storage=job.work_dir.rstrip("/") + "/ray-train", name=f"{m.name}-drafter")
+                                     storage=job.work_dir.rstrip("/") + "/ray-train", name=run_name(job))
         trained = fit(features, init, job.train, dist_cfg, cfg.s3)
         shutil.copytree(trained, local, dirs_exist_ok=True)
         history = json.loads((local / "history.json").read_text())
@@ -164,6 +164,15 @@ def run_train_job(job: TrainJob) -> dict[str, Any]:
     log.info("drafter %s for %s written to %s: held-out τ %.3f on %d rows", m.name, job.target, job.out, tau,
              len(requests))
     return summary
+
+
+def run_name(job: TrainJob) -> str:
+    """Ray Train's run name: one per (method, out, training settings), so a re-run of the same job resumes its
+    checkpoints and a different job sharing the work directory (other seed, other method) starts its own."""
+    import hashlib
+
+    key = json.dumps([job.method, job.out, job.train.model_dump(mode="json")], sort_keys=True)
+    return f"{job.method}-drafter-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
 
 
 def write_head_init(m, target, uri: str, s3) -> HeadInit:

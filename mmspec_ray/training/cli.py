@@ -1,0 +1,117 @@
+"""Command-line flags of drafter training from a request data set, shared by `mmspec train-drafter --data ...` and
+`jobs/train_drafter.py` (the `ray job submit` entry point), so both build the same `TrainJob`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
+
+if TYPE_CHECKING:
+    from mmspec_ray.training.pipeline import TrainJob
+
+log = logging.getLogger(__name__)
+
+TRAIN_FLAGS = ("epochs", "batch_size", "lr", "text_epochs", "seed")
+
+
+def add_data_args(p: argparse.ArgumentParser) -> None:
+    """Flags for training on a request data set (the method / target / out flags are the caller's)."""
+    a = p.add_argument
+    a("--data", default=None, help="parquet file or directory of request rows (id, prompt or messages, image / "
+      "image_uri / video / video_uri), local or s3://: the target answers them and the drafter learns its features")
+    a("--work", default=None, help="features and Ray Train checkpoints, local or s3:// (default: OUT.work); a "
+      "re-run with the same --work resumes data generation and training")
+    a("--heldout", type=int, default=16, help="last N rows held out for the final τ (default 16)")
+    a("--limit", type=int, default=None, help="use only the first N rows")
+    a("--batch-size", type=int, default=None)
+    a("--lr", type=float, default=None)
+    a("--seed", type=int, default=None, help="training seed (initialisation, order, noise)")
+    a("--max-new-tokens", type=int, default=256, help="the target's answer length cap in data generation")
+    a("--answer-temperature", type=float, default=0.0, help="0: greedy answers (default); >0: sampled answers")
+    a("--num-workers", type=int, default=0,
+      help="0: the single-process trainer (data in memory); N: Ray Train with N data-parallel workers")
+    a("--use-gpu", action="store_true", help="Ray Train workers and data generation actors on GPUs")
+    a("--cpus-per-worker", type=float, default=1.0)
+    a("--max-failures", type=int, default=3, help="Ray Train worker-group restarts from the last checkpoint")
+    a("--datagen-actors", type=int, default=1, help="target actors answering prompts (Ray Data actor pool)")
+    a("--device", default="auto", help="data generation device: auto (cuda with --use-gpu), cpu, cuda")
+    a("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+
+
+def job_from_args(a: argparse.Namespace, target: str) -> "TrainJob":
+    """The TrainJob the flags describe (pydantic checks every value; errors name the field)."""
+    from mmspec_ray.training.pipeline import TrainJob
+
+    if not a.out:
+        raise ValueError("--out is required with --data: the drafter checkpoint directory or s3:// prefix")
+    train = {"epochs": 8, "batch_size": 16, "lr": 2e-3}
+    train.update({k: getattr(a, k) for k in TRAIN_FLAGS if getattr(a, k, None) is not None})
+    decode = {"device": a.device if a.device != "auto" else ("cuda" if a.use_gpu else "auto"), "dtype": a.dtype}
+    return TrainJob(method=a.method, target=target, data=a.data, out=a.out, work=a.work, heldout=a.heldout,
+                    limit=a.limit, train=train, recipe={"max_new_tokens": a.max_new_tokens,
+                                                        "temperature": a.answer_temperature},
+                    decode=decode, datagen_actors=a.datagen_actors, gpus_per_actor=1.0 if a.use_gpu else 0.0,
+                    num_workers=a.num_workers, use_gpu=a.use_gpu, cpus_per_worker=a.cpus_per_worker,
+                    max_failures=a.max_failures)
+
+
+def run(a: argparse.Namespace, target: str) -> int:
+    """Run the job the flags describe and print its summary (held-out τ, examples, where the drafter went)."""
+    from mmspec_ray.training.pipeline import run_train_job
+
+    summary = run_train_job(job_from_args(a, target))
+    print(json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """`jobs/train_drafter.py`'s flags (the k8s tests parse the RayJob entrypoints with it)."""
+    from mmspec_ray.training.methods import METHODS
+
+    p = argparse.ArgumentParser(prog="train_drafter", description=__doc__)
+    p.add_argument("--method", default="eagle2", choices=sorted(METHODS))
+    p.add_argument("--target", required=True, help="checkpoint directory or s3:// prefix (or toy-s / toy-m)")
+    p.add_argument("--out", required=True, help="drafter checkpoint directory or s3:// prefix")
+    p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--text-epochs", type=int, default=None)
+    add_data_args(p)
+    return p
+
+
+def toy_data(size: str, limit: int = 600) -> str:
+    """A toy world's train-split prompts as a request parquet (the default --data for a toy target)."""
+    import pyarrow.parquet as pq
+
+    from mmspec_ray.toy.build import build_toy, mmspec_home
+    from mmspec_ray.toy.prompts import toy_request_table
+
+    path = mmspec_home() / "requests" / f"{size}-train-{limit}.parquet"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(toy_request_table(build_toy(size), "train", limit, seed=1), path)
+    return str(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`jobs/train_drafter.py`: requests -> Ray Data datagen -> (Ray Train) training -> drafter at --out."""
+    from mmspec_ray.toy.model import TOY_SIZES
+    from mmspec_ray.toy.resolve import resolve_target
+
+    p = build_parser()
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if a.data is None:
+        if a.target not in TOY_SIZES:
+            p.error("--data is required (a parquet of request rows, local or s3://)")
+        a.data = toy_data(a.target)
+    try:
+        return run(a, resolve_target(a.target))
+    except (ValidationError, ValueError) as e:
+        print(f"train_drafter: error: {e}", file=sys.stderr)
+        return 2
