@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 if TYPE_CHECKING:
+    from mmspec_ray.training.methods import training_method
     from mmspec_ray.training.pipeline import TrainJob
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,8 @@ def add_data_args(p: argparse.ArgumentParser) -> None:
     a("--lr", type=float, default=None)
     a("--seed", type=int, default=None, help="training seed (initialisation, order, noise)")
     a("--max-new-tokens", type=int, default=256, help="the target's answer length cap in data generation")
-    a("--answer-temperature", type=float, default=0.0, help="0: greedy answers (default); >0: sampled answers")
+    a("--answer-temperature", type=float, default=None,
+      help="0: greedy answers; >0: sampled answers (default: the method's recipe; greedy for eagle2 and msd)")
     a("--num-workers", type=int, default=0,
       help="0: the single-process trainer (data in memory); N: Ray Train with N data-parallel workers")
     a("--use-gpu", action="store_true", help="Ray Train workers and data generation actors on GPUs")
@@ -46,6 +48,7 @@ def add_data_args(p: argparse.ArgumentParser) -> None:
 
 def job_from_args(a: argparse.Namespace, target: str) -> "TrainJob":
     """The TrainJob the flags describe (pydantic checks every value; errors name the field)."""
+    from mmspec_ray.training.methods import training_method
     from mmspec_ray.training.pipeline import TrainJob
 
     if not a.out:
@@ -54,8 +57,9 @@ def job_from_args(a: argparse.Namespace, target: str) -> "TrainJob":
     train.update({k: getattr(a, k) for k in TRAIN_FLAGS if getattr(a, k, None) is not None})
     decode = {"device": a.device if a.device != "auto" else ("cuda" if a.use_gpu else "auto"), "dtype": a.dtype}
     return TrainJob(method=a.method, target=target, data=a.data, out=a.out, work=a.work, heldout=a.heldout,
-                    limit=a.limit, train=train, recipe={"max_new_tokens": a.max_new_tokens,
-                                                        "temperature": a.answer_temperature},
+                    limit=a.limit, train=train,
+                    recipe={"max_new_tokens": a.max_new_tokens, "temperature": a.answer_temperature
+                            if a.answer_temperature is not None else training_method(a.method).answer_temperature},
                     decode=decode, datagen_actors=a.datagen_actors, gpus_per_actor=1.0 if a.use_gpu else 0.0,
                     num_workers=a.num_workers, use_gpu=a.use_gpu, cpus_per_worker=a.cpus_per_worker,
                     max_failures=a.max_failures)

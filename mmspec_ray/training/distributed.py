@@ -12,7 +12,8 @@ drawn from (seed, epoch), identically on every worker; worker r reads shards r, 
 the same number of steps per epoch, ceil(items / batch_size) as the single-process trainer, so one step consumes
 one global batch of `batch_size` examples. A two-stage schedule keeps each multimodal example with probability
 r_e * n / N_mm and each text-only one with (1 - r_e) * n / N_text (n = min(N_mm, N_text)): the single-process
-schedule's expected mixture.
+schedule's expected mixture (a mixed schedule keeps every item of both pools). A method's `begin_epoch` hook runs
+before each epoch, as in the single-process trainer.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def shard_plan(manifest: dict[str, Any], rank: int, world: int, epoch: int, seed
 def keep_probabilities(stages: StageSchedule, epoch: int, n_mm: int, n_text: int) -> tuple[float, float]:
     """(p multimodal, p text): each example's chance to be used in `epoch` (1-indexed), matching the in-memory
     schedule's expected mixture."""
+    if stages.mixed and epoch > stages.text_epochs:  # every item of both pools (HiViS)
+        return 1.0, 1.0
     if stages.text_epochs == 0:
         return 1.0, 0.0
     if n_mm == 0 or n_text == 0:
@@ -185,6 +188,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     starts.append(start_epoch)
     for epoch in range(start_epoch, cfg.epochs):
         t0 = time.time()
+        m.begin_epoch(head, epoch + 1, cfg)
         gen = torch.Generator().manual_seed(cfg.seed * 100_003 + epoch * 1_009 + rank)
         sums: dict[str, float] = {"loss": 0.0}
         batches = local_batches(store, manifest, stages, cfg, epoch, rank, world, local_bs)

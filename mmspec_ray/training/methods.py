@@ -72,6 +72,7 @@ class TrainingMethod:
 
     name: ClassVar[str] = "eagle2"
     needs: ClassVar[tuple[str, ...]] = ("hidden", "embeds")  # FeatureExample fields the examples must carry
+    answer_temperature: ClassVar[float] = 0.0  # how the target answers training prompts (0: greedy, the default)
     head_class: ClassVar[type[Eagle2Head]] = Eagle2Head
     drafter_class: ClassVar[type[Eagle2Drafter]] = Eagle2Drafter
     mixes_text: ClassVar[bool] = False  # every epoch holds the text-only pool too (StageSchedule.mixed)

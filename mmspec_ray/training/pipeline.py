@@ -140,11 +140,12 @@ def run_train_job(job: TrainJob) -> dict[str, Any]:
 
         examples = load_features(features)
         mm = [e for e in examples if e.multimodal]
-        text = [e for e in examples if not e.multimodal] if stage_schedule(m, job.train).text_epochs else []
+        text = [e for e in examples if not e.multimodal] if stage_schedule(m, job.train).uses_text else []
         train_drafter(m, target, mm, local, job.train, heldout=requests, tree=job.tree, text_examples=text)
         history = json.loads((local / "history.json").read_text())
         (local / "trainer_state.pt").unlink()
     else:
+        check_streamable(m)
         init = write_head_init(m, target, job.work_dir.rstrip("/") + "/init", cfg.s3)
         dist_cfg = DistributedConfig(num_workers=job.num_workers, use_gpu=job.use_gpu,
                                      cpus_per_worker=job.cpus_per_worker, max_failures=job.max_failures,
@@ -164,6 +165,16 @@ def run_train_job(job: TrainJob) -> dict[str, Any]:
     log.info("drafter %s for %s written to %s: held-out τ %.3f on %d rows", m.name, job.target, job.out, tau,
              len(requests))
     return summary
+
+
+def check_streamable(m) -> None:
+    """Ray Train workers stream shards and never load the target: a method that filters its whole data set with
+    the target first (`select`, e.g. HiViS's answer-length filter) runs on the single-process trainer only."""
+    from mmspec_ray.training.methods import TrainingMethod
+
+    if type(m).select is not TrainingMethod.select:
+        raise ValueError(f"{m.name} selects its training data with the target before training, which the Ray Train "
+                         "workers (streaming shards, no target) cannot do yet; use --num-workers 0")
 
 
 def run_name(job: TrainJob) -> str:
