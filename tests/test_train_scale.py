@@ -181,3 +181,50 @@ def test_cli_single_process_trainer_on_the_same_path(ray_cluster, ckpt, tmp_path
     assert saved["heldout_tau"] == summary["heldout_tau"] and [h["epoch"] for h in saved["history"]] == [1, 2]
     assert (out / "model.safetensors").exists() and not (out / "trainer_state.pt").exists()
     assert main(["train-drafter", "--target", ckpt, "--out", str(out)]) == 2  # a checkpoint needs --data
+
+
+def test_streamed_epochs_cover_the_shards_and_keep_the_schedules_mixture():
+    """Ray Train's data plan, without Ray: N workers read disjoint shards of the epoch's order (all of them when
+    the count divides), and a two-stage epoch keeps the in-memory schedule's expected mixture."""
+    from itertools import islice
+
+    from mmspec_ray.training.distributed import keep_probabilities, shard_plan, steps_per_epoch
+    from mmspec_ray.training.schedule import StageSchedule
+
+    manifest = {"shards": [f"s{i}" for i in range(6)], "examples_per_shard": [10] * 6,
+                "multimodal_per_shard": [8] * 6}
+    for epoch in range(3):
+        got = [list(islice(shard_plan(manifest, r, 2, epoch, seed=0), 3)) for r in range(2)]
+        assert sorted(got[0] + got[1]) == list(range(6))  # each shard once per epoch across the 2 workers
+        assert got == [list(islice(shard_plan(manifest, r, 2, epoch, seed=0), 3)) for r in range(2)]  # same plan
+    one = StageSchedule(epochs=4)
+    assert keep_probabilities(one, 1, 48, 12) == (1.0, 0.0)
+    assert steps_per_epoch(manifest, one, 16) == 3  # ceil(48 / 16), as the single-process trainer
+    msd = StageSchedule(epochs=4, text_epochs=2)
+    n = min(48, 12)
+    for epoch in (1, 3, 4):
+        p_mm, p_text = keep_probabilities(msd, epoch, 48, 12)
+        assert p_mm * 48 + p_text * 12 == pytest.approx(n)  # min(N_mm, N_text) items expected
+        assert p_mm * 48 / n == pytest.approx(msd.ratio(epoch))  # with the schedule's multimodal share
+    mixed = StageSchedule(epochs=4, mixed=True)
+    assert keep_probabilities(mixed, 2, 48, 12) == (1.0, 1.0)
+    assert steps_per_epoch(manifest, mixed, 16) == 4  # ceil(60 / 16)
+
+
+def test_shards_record_ids_and_errors_in_their_headers(tmp_path):
+    from mmspec_ray.training.shards import FeatureExample
+
+    ex = FeatureExample(torch.arange(5), torch.randn(5, 4).half(), torch.randn(5, 4).half(), 3,
+                        torch.tensor([0, 1, 1, 0, 0], dtype=torch.bool))
+    store = ShardStore(str(tmp_path / "f"))
+    store.write_shard("shard-a.safetensors", [ex], ["r1", "r2"], {"r2": {"error": "image: gone",
+                                                                      "error_kind": "media.not_found"}})
+    info = store.shard_info("shard-a.safetensors")
+    assert info.ids == ["r1", "r2"] and info.errors["r2"]["error_kind"] == "media.not_found"
+    assert info.examples == 1 and info.multimodal == 1
+    back = store.load_shard("shard-a.safetensors")[0]
+    assert torch.equal(back.input_ids, ex.input_ids) and torch.equal(back.hidden, ex.hidden)
+    assert torch.equal(back.media, ex.media) and back.n_prompt == 3
+    manifest = store.write_manifest({"recipe": {}})
+    assert manifest["examples"] == 1 and manifest["rows"] == 2 and list(manifest["errors"]) == ["r2"]
+    assert [p.name for p in (tmp_path / "f").iterdir() if p.name.startswith(".")] == []  # no partial files left
