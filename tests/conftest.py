@@ -105,6 +105,18 @@ def s3_server():
             server.stop()
 
 
+@pytest.fixture(scope="module")
+def ray_cluster(s3_server):
+    """A 2-CPU local Ray for the requesting module (no dashboard), shut down after it. Started after the S3 fixture
+    so that workers inherit its credentials."""
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ["RAY_DATA_DISABLE_PROGRESS_BARS"] = "1"
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def ckpt(tmp_path_factory) -> str:
     """A tiny random-init LLaVA saved with save_pretrained (model + processor): a checkpoint directory that

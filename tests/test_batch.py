@@ -44,16 +44,6 @@ def png(img) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(s3_server):
-    """A 2-CPU local Ray for this module. Started after the S3 fixture so workers inherit its credentials."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ["RAY_DATA_DISABLE_PROGRESS_BARS"] = "1"
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def reference(ckpt):
     """What SpecEngine (greedy, n-gram drafter) gives for one request on its own."""
     target = load_target(ckpt)

@@ -35,16 +35,6 @@ MAX_NEW = 12
 SCHEMA = pa.schema([("id", pa.string()), ("prompt", pa.string()), ("image", pa.binary()), ("image_uri", pa.string())])
 
 
-@pytest.fixture(scope="module")
-def ray_cluster(s3_server):
-    """A local Ray for this module (started after the S3 fixture, so workers inherit its credentials)."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ["RAY_DATA_DISABLE_PROGRESS_BARS"] = "1"
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def png(img) -> bytes:
     buf = io.BytesIO()
     img.save(buf, "PNG")

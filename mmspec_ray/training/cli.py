@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 if TYPE_CHECKING:
-    from mmspec_ray.training.methods import training_method
     from mmspec_ray.training.pipeline import TrainJob
 
 log = logging.getLogger(__name__)

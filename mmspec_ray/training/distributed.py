@@ -223,7 +223,6 @@ def fit(data: str, init: HeadInit, cfg: TrainConfig, dist_cfg: DistributedConfig
         torch_threads: int | None = None) -> Path:
     """Run the Ray Train job (connecting to / starting Ray as the batch jobs do) and return a local directory
     holding the final checkpoint: the drafter (config.json + model.safetensors) and `history.json`."""
-    import ray.train
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
