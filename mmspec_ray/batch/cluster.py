@@ -16,17 +16,18 @@ from mmspec_ray.batch.spec import JobSpec
 log = logging.getLogger(__name__)
 
 
-def connect_ray(num_cpus: int | None = None) -> None:
+def connect_ray(num_cpus: int | None = None, dashboard: bool = False) -> None:
     """Join the cluster in RAY_ADDRESS (`ray job submit` sets it), else start a fresh local one (auth off unless
-    the caller set RAY_AUTH_MODE). `address="local"`: never attach to some other `ray start` cluster on this host
-    by accident. No-op when this process is already connected."""
+    the caller set RAY_AUTH_MODE; the dashboard only with `dashboard`, which Ray Train's state checks need).
+    `address="local"`: never attach to some other `ray start` cluster on this host by accident. No-op when this
+    process is already connected."""
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):
         ray.init()
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard)
 
 
 def plan_actor_cpus(spec: JobSpec) -> float:

@@ -121,9 +121,13 @@ def run_train_job(job: TrainJob) -> dict[str, Any]:
     from mmspec_ray.drafters.base import load_drafter
     from mmspec_ray.targets import load_target
 
+    from mmspec_ray.batch.cluster import connect_ray
+
     m = training_method(job.method)
     cfg = job.decode_config()
     held = heldout_ids(job, cfg)
+    if job.num_workers:
+        connect_ray(dashboard=True)  # a local cluster with the state API Ray Train's controller polls
     features = job.work_dir.rstrip("/") + "/features"
     manifest = run_datagen(DatagenJob(input=job.data, output=features, decode=cfg, recipe=job.recipe,
                                       exclude_ids=tuple(held), limit=job.limit, num_actors=job.datagen_actors,
