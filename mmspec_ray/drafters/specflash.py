@@ -69,8 +69,11 @@ class SpecFlashHead(Eagle2Head):
         if cfg.group < 1:
             raise ValueError(f"group (K) must be >= 1, got {cfg.group}")
         d = cfg.hidden_size
-        self.queries = nn.Parameter(torch.randn(cfg.max_queries, d) * 0.02)
-        self.placeholders = nn.Parameter(torch.randn(max(1, cfg.group - 1), d) * 0.02)
+        self.queries = nn.Parameter(torch.randn(cfg.max_queries, d) * 0.02)  # spec §2.3: N(0, 0.02^2)
+        # placeholders are inputs, not weights: drawn at unit scale, about that of the fc-fused inputs (rms 0.5 on
+        # toy-s), so their queries can select context from the first steps (at 0.02 their attention starts uniform
+        # and slots 1..K-1 stayed near unigram accuracy for ~200 steps on toy-s; docs/drafters/specflash.md)
+        self.placeholders = nn.Parameter(torch.randn(max(1, cfg.group - 1), d))
 
     def compress(self, feats: torch.Tensor) -> torch.Tensor:
         """One piece's media features [N, d] -> its C drafter inputs [C, d] (see `compressed_count`)."""
