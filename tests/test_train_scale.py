@@ -138,6 +138,12 @@ def test_train_drafter_for_a_saved_checkpoint_from_s3_on_ray_data_and_ray_train(
     assert hist["history"][-1]["loss"] < hist["history"][0]["loss"]
     assert summary["heldout_rows"] == 3 and 0 <= summary["heldout_tau"] <= TreeConfig().depth
 
+    # re-running the finished job resumes everything from storage: nothing is answered or trained again
+    before = s3_server.client.get_object(Bucket=bucket, Key="drafters/eagle2/model.safetensors")["Body"].read()
+    again = run_train_job(job)
+    assert again["history"]["history"] == hist["history"] and again["examples"] == summary["examples"]
+    assert s3_server.client.get_object(Bucket=bucket, Key="drafters/eagle2/model.safetensors")["Body"].read() == before
+
     # the drafter on S3 loads by its URI (endpoint from the environment, as a user sets it) and decodes exactly as
     # the target alone: HF generate, greedy
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_server.endpoint_url)

@@ -102,8 +102,9 @@ def local_batches(store: ShardStore, manifest: dict[str, Any], stages: StageSche
         keep = [i for i in rng.permutation(len(pool))
                 if rng.random() < (p_mm if pool[i].multimodal else p_text)]
         # length-bucketed, as the single-process trainer: sort chunks by length to limit padding
-        for c0 in range(0, len(keep), local_bs * 8):
-            chunk = sorted(keep[c0:c0 + local_bs * 8], key=lambda j: pool[j].input_ids.shape[0])
+        span = local_bs * cfg.bucket_batches
+        for c0 in range(0, len(keep), span):
+            chunk = sorted(keep[c0:c0 + span], key=lambda j: pool[j].input_ids.shape[0])
             for b0 in range(0, len(chunk), local_bs):
                 yield pool, chunk[b0:b0 + local_bs]
 

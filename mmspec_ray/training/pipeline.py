@@ -186,7 +186,8 @@ def run_name(job: TrainJob) -> str:
     checkpoints and a different job sharing the work directory (other seed, other method) starts its own."""
     import hashlib
 
-    key = json.dumps([job.method, job.out, job.train.model_dump(mode="json")], sort_keys=True)
+    settings = job.train.model_dump(mode="json", exclude_defaults=True)  # a new setting's default renames nothing
+    key = json.dumps([job.method, job.out, settings], sort_keys=True)
     return f"{job.method}-drafter-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
 
 

@@ -44,6 +44,8 @@ class TrainConfig(BaseModel):
     seed: int = 0
     eval_max_new_tokens: int = 96
     text_epochs: int | None = Field(None, ge=0, description="stage-1 (text-only) epochs; None: the method's default")
+    bucket_batches: int = Field(8, ge=1, description="length bucketing: consecutive items are sorted by length "
+                                "in chunks of this many batches (less padding, less varied batches)")
     gradual: bool = True  # stage 2 ramps the multimodal share linearly (False: all multimodal at once)
     multistep_epochs: int | None = Field(None, ge=0, description="epochs of a method's multi-step stage at the "
                                          "end of the run (HiViS stage 2); None: the method's default")
@@ -135,8 +137,9 @@ def train_drafter(method: str | TrainingMethod, target: VLMTarget, examples: lis
         items = stages.items(epoch + 1, n_mm, len(text_examples), rng)
         order = [i if mm else n_mm + i for mm, i in items]
         # length-bucketed batches: sort chunks by length to limit padding
-        chunks = [sorted(order[i:i + cfg.batch_size * 8], key=lambda j: pool[j].input_ids.shape[0])
-                  for i in range(0, len(order), cfg.batch_size * 8)]
+        span = cfg.batch_size * cfg.bucket_batches
+        chunks = [sorted(order[i:i + span], key=lambda j: pool[j].input_ids.shape[0])
+                  for i in range(0, len(order), span)]
         batches = [c[i:i + cfg.batch_size] for c in chunks for i in range(0, len(c), cfg.batch_size)]
         parts_sum = {"loss": 0.0, "vloss": 0.0, "ploss": 0.0, "top1": 0.0}
         bar = tqdm(batches, desc=f"train {m.name} drafter epoch {epoch + 1}/{cfg.epochs}", unit="batch")
