@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-TRAIN_FLAGS = ("epochs", "batch_size", "lr", "text_epochs", "seed")
+TRAIN_FLAGS = ("epochs", "batch_size", "lr", "text_epochs", "seed", "bucket_batches")
 
 
 def add_data_args(p: argparse.ArgumentParser) -> None:
@@ -32,6 +32,8 @@ def add_data_args(p: argparse.ArgumentParser) -> None:
     a("--batch-size", type=int, default=None)
     a("--lr", type=float, default=None)
     a("--seed", type=int, default=None, help="training seed (initialisation, order, noise)")
+    a("--bucket-batches", type=int, default=None,
+      help="length bucketing span in batches (default 8; 2 gave a better drafter on toy-s, docs/training.md)")
     a("--max-new-tokens", type=int, default=256, help="the target's answer length cap in data generation")
     a("--answer-temperature", type=float, default=None,
       help="0: greedy answers; >0: sampled answers (default: the method's recipe; greedy for eagle2 and msd)")
