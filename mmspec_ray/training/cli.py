@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-TRAIN_FLAGS = ("epochs", "batch_size", "lr", "text_epochs", "seed", "bucket_batches")
+TRAIN_FLAGS = ("epochs", "batch_size", "lr", "text_epochs", "multistep_epochs", "seed", "bucket_batches")
 
 
 def add_data_args(p: argparse.ArgumentParser) -> None:
@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", required=True, help="checkpoint directory or s3:// prefix (or toy-s / toy-m)")
     p.add_argument("--out", required=True, help="drafter checkpoint directory or s3:// prefix")
     p.add_argument("--epochs", type=int, default=None)
-    p.add_argument("--text-epochs", type=int, default=None)
+    p.add_argument("--text-epochs", type=int, default=None, help="stage-1 (text-only) epochs (msd: half by default)")
+    p.add_argument("--multistep-epochs", type=int, default=None, help="hivis: multi-step (stage 2) epochs")
     add_data_args(p)
     return p
 
