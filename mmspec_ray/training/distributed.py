@@ -195,7 +195,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         batches = local_batches(store, manifest, stages, cfg, epoch, rank, world, local_bs)
         for _ in range(steps):
             pool, idx = next(batches)
-            batch = {k: v.to(device) for k, v in m.collate(pool, idx, cfg.noise, gen).items()}
+            batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                     for k, v in m.collate(pool, idx, cfg.noise, gen).items()}
             loss, parts = train_step(m, head, batch, W, cfg, opt, sched, reduce_grads=_average_grads)
             sums["loss"] += loss
             for k, v in parts.items():
