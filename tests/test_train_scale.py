@@ -144,19 +144,32 @@ def test_train_drafter_for_a_saved_checkpoint_from_s3_on_ray_data_and_ray_train(
     assert again["history"]["history"] == hist["history"] and again["examples"] == summary["examples"]
     assert s3_server.client.get_object(Bucket=bucket, Key="drafters/eagle2/model.safetensors")["Body"].read() == before
 
+    # another method trains from the same shards on Ray Train (nothing answered again): MSD's two-stage schedule
+    # reads the text-only rows in its first epoch; methods that need the target while training are refused by name
+    msd = job.model_copy(update={"method": "msd", "out": f"s3://{bucket}/drafters/msd",
+                                 "train": job.train.model_copy(update={"epochs": 2})})
+    res = run_train_job(msd)
+    assert res["examples"] == manifest["examples"] and [h["epoch"] for h in res["history"]["history"]] == [1, 2]
+    assert [h["multimodal_share"] for h in res["history"]["history"]] == [0.0, 1.0]
+    for method in ("hivis", "specflash"):
+        with pytest.raises(ValueError, match=f"{method} needs the target while training"):
+            run_train_job(msd.model_copy(update={"method": method}))
+
     # the drafter on S3 loads by its URI (endpoint from the environment, as a user sets it) and decodes exactly as
     # the target alone: HF generate, greedy
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_server.endpoint_url)
     target = load_target(ckpt)
     drafter = load_drafter(job.out, target)
     assert isinstance(drafter, Eagle2Drafter)
-    engine = SpecEngine(target, drafter, TreeConfig(top_k=4, depth=3, total_tokens=12))
+    engines = [SpecEngine(target, load_drafter(f"s3://{bucket}/drafters/{m}", target),
+                          TreeConfig(top_k=4, depth=3, total_tokens=12)) for m in ("eagle2", "msd")]
     for i, img in enumerate(random_images(4, seed=77)):
         req = Request(prompt=f"describe the image {i}", images=(img,))
         inputs = target.encode(req)
         with torch.inference_mode():
             hf = target.model.generate(**inputs, do_sample=False, max_new_tokens=16)
-        assert engine.generate(req, max_new_tokens=16).token_ids == hf[0, inputs["input_ids"].shape[1]:].tolist()
+        for engine in engines:
+            assert engine.generate(req, max_new_tokens=16).token_ids == hf[0, inputs["input_ids"].shape[1]:].tolist()
 
 
 def test_cli_single_process_trainer_on_the_same_path(ray_cluster, ckpt, tmp_path, capsys):

@@ -73,6 +73,7 @@ class TrainingMethod:
     name: ClassVar[str] = "eagle2"
     needs: ClassVar[tuple[str, ...]] = ("hidden", "embeds")  # FeatureExample fields the examples must carry
     answer_temperature: ClassVar[float] = 0.0  # how the target answers training prompts (0: greedy, the default)
+    reads_target: ClassVar[bool] = False  # needs the target while training (data selection, collate): not on Ray Train
     head_class: ClassVar[type[Eagle2Head]] = Eagle2Head
     drafter_class: ClassVar[type[Eagle2Drafter]] = Eagle2Drafter
     mixes_text: ClassVar[bool] = False  # every epoch holds the text-only pool too (StageSchedule.mixed)
@@ -139,6 +140,7 @@ class SpecFlashMethod(TrainingMethod):
 
     name = "specflash"
     needs = ("hidden", "embeds", "media")
+    reads_target = True  # collate cuts media runs into images / frames with the target's `media_pieces`
     head_class = SpecFlashHead
     drafter_class = SpecFlashDrafter
 
@@ -217,6 +219,7 @@ class HiViSMethod(TrainingMethod):
     needs = ("hidden", "embeds", "media")
     head_class = HiViSHead
     drafter_class = HiViSDrafter
+    reads_target = True  # `select` reads answers with the target's tokenizer
     mixes_text = True
     passes: ClassVar[int] = 4  # N forward passes in stage 2 (paper: N = 4)
     filter_k: ClassVar[int] = 5  # dynamic data selection: the target's token must be in the drafter's top-5

@@ -127,6 +127,7 @@ def run_train_job(job: TrainJob) -> dict[str, Any]:
     cfg = job.decode_config()
     held = heldout_ids(job, cfg)
     if job.num_workers:
+        check_streamable(m)  # before any work
         connect_ray(dashboard=True)  # a local cluster with the state API Ray Train's controller polls
     features = job.work_dir.rstrip("/") + "/features"
     manifest = run_datagen(DatagenJob(input=job.data, output=features, decode=cfg, recipe=job.recipe,
@@ -149,7 +150,6 @@ def run_train_job(job: TrainJob) -> dict[str, Any]:
         history = json.loads((local / "history.json").read_text())
         (local / "trainer_state.pt").unlink()
     else:
-        check_streamable(m)
         init = write_head_init(m, target, job.work_dir.rstrip("/") + "/init", cfg.s3)
         dist_cfg = DistributedConfig(num_workers=job.num_workers, use_gpu=job.use_gpu,
                                      cpus_per_worker=job.cpus_per_worker, max_failures=job.max_failures,
@@ -172,13 +172,11 @@ def run_train_job(job: TrainJob) -> dict[str, Any]:
 
 
 def check_streamable(m) -> None:
-    """Ray Train workers stream shards and never load the target: a method that filters its whole data set with
-    the target first (`select`, e.g. HiViS's answer-length filter) runs on the single-process trainer only."""
-    from mmspec_ray.training.methods import TrainingMethod
-
-    if type(m).select is not TrainingMethod.select:
-        raise ValueError(f"{m.name} selects its training data with the target before training, which the Ray Train "
-                         "workers (streaming shards, no target) cannot do yet; use --num-workers 0")
+    """Ray Train workers stream shards and never load the target: a method that needs the target while training
+    (`reads_target`: HiViS's answer filter, SpecFLASH's per-frame media cuts) runs on the single-process trainer."""
+    if m.reads_target:
+        raise ValueError(f"{m.name} needs the target while training, which Ray Train workers do not load; train it "
+                         "with --num-workers 0 (the single-process trainer)")
 
 
 def run_name(job: TrainJob) -> str:
