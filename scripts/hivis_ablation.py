@@ -4,6 +4,7 @@
                the same prompts as eagle2's
   eagle2-data  eagle2 (reads every visual token) on hivis's data: the same answer filter and the text-only pool mixed
                into every epoch, so a comparison with hivis isolates hiding the visual tokens from the data mix
+  no-filter    hivis stage 1 without the paper's ">5 words" answer filter (the toy's short-answer tasks kept)
 
     OMP_NUM_THREADS=1 python scripts/hivis_ablation.py media-only --target toy-m --examples 200 --out DIR
     OMP_NUM_THREADS=1 python scripts/hivis_ablation.py eagle2-data --target toy-m --examples 200 --out DIR
@@ -37,7 +38,7 @@ class Eagle2OnHiViSData(TrainingMethod):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=["media-only", "eagle2-data"])
+    p.add_argument("mode", choices=["media-only", "eagle2-data", "no-filter"])
     p.add_argument("--target", default="toy-m")
     p.add_argument("--examples", type=int, default=200, help="multimodal (and text-only) training prompts")
     p.add_argument("--out", required=True)
@@ -51,6 +52,11 @@ def main() -> None:
     if a.mode == "media-only":
         cfg = recipe.train.model_copy(update={"multistep_epochs": 0})
         train_drafter(HiViSMethod(), target, mm, Path(a.out), cfg, heldout=heldout, text_examples=[])
+    elif a.mode == "no-filter":
+        text = load_features(toy_features(world, target, recipe, text=True))
+        cfg = recipe.train.model_copy(update={"multistep_epochs": 0})
+        train_drafter(HiViSMethod(min_answer_words=0), target, mm, Path(a.out), cfg, heldout=heldout,
+                      text_examples=text)
     else:
         text = load_features(toy_features(world, target, recipe, text=True))
         train_drafter(Eagle2OnHiViSData(), target, mm, Path(a.out), recipe.train, heldout=heldout,
