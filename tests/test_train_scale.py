@@ -103,6 +103,7 @@ def test_train_drafter_for_a_saved_checkpoint_from_s3_on_ray_data_and_ray_train(
     s3 = s3_server.s3_config.model_dump()
     job = TrainJob(method="eagle2", target=ckpt, data=data, out=f"s3://{bucket}/drafters/eagle2",
                    work=f"s3://{bucket}/work", heldout=3, num_workers=2, cpus_per_worker=0.5, max_failures=2,
+                   rows_per_shard=4,
                    train=TrainConfig(epochs=12, batch_size=4, lr=3e-3, warmup_steps=2, eval_max_new_tokens=8),
                    recipe={"max_new_tokens": MAX_NEW}, decode={"s3": s3, "device": "cpu"})
     killed: list[int] = []
@@ -127,8 +128,20 @@ def test_train_drafter_for_a_saved_checkpoint_from_s3_on_ray_data_and_ray_train(
     assert manifest["examples"] >= 18 and sum(manifest["multimodal_per_shard"]) == manifest["examples"] - 2
     # a re-run answers nothing again (resume), and lists the same shards
     again = run_datagen(DatagenJob(input=data, output=store.uri, decode=job.decode_config(),
-                                   recipe=job.recipe, exclude_ids=tuple(held)))
+                                   recipe=job.recipe, exclude_ids=tuple(held), rows_per_shard=4))
     assert again["shards"] == manifest["shards"] and again["rows"] == manifest["rows"]
+    assert len(manifest["shards"]) >= 4  # so that both Ray Train workers own shards of their own
+    lost = store.shard_info(manifest["shards"][0])  # a shard lost: a re-run answers exactly its rows again
+    s3_server.client.delete_object(Bucket=bucket, Key=f"work/features/{lost.name}")
+    redone = run_datagen(DatagenJob(input=data, output=store.uri, decode=job.decode_config(),
+                                    recipe=job.recipe, exclude_ids=tuple(held), rows_per_shard=4))
+    assert redone["rows"] == manifest["rows"] and redone["examples"] == manifest["examples"]
+    assert len(redone["shards"]) == len(manifest["shards"])  # its rows came back (in a shard named by their ids)
+    assert set(lost.ids) <= {i for n in redone["shards"] for i in store.shard_info(n).ids}
+    manifest = redone
+    with pytest.raises(ValueError, match="features of another job .*held_out"):  # a changed split is refused
+        run_datagen(DatagenJob(input=data, output=store.uri, decode=job.decode_config(), recipe=job.recipe,
+                               exclude_ids=tuple(held[:1])))
 
     # Ray Train: one worker was killed after the first checkpoint; the group restarted from a checkpoint
     assert killed, "the killer never found a checkpoint and a worker to kill"
@@ -193,31 +206,34 @@ def test_cli_single_process_trainer_on_the_same_path(ray_cluster, ckpt, tmp_path
 
 
 def test_streamed_epochs_cover_the_shards_and_keep_the_schedules_mixture():
-    """Ray Train's data plan, without Ray: N workers read disjoint shards of the epoch's order (all of them when
-    the count divides), and a two-stage epoch keeps the in-memory schedule's expected mixture."""
-    from itertools import islice
-
-    from mmspec_ray.training.distributed import keep_probabilities, shard_plan, steps_per_epoch
+    """Ray Train's data plan, without Ray: N workers read disjoint shards covering all of them, every worker takes
+    the same number of steps, and a two-stage epoch keeps exactly the in-memory schedule's mixture, however small
+    the shards."""
+    from mmspec_ray.training.distributed import epoch_steps, keep_probabilities, shard_keeps, worker_shards
     from mmspec_ray.training.schedule import StageSchedule
 
+    for n, world in ((6, 2), (7, 2), (5, 3)):
+        for epoch in range(3):
+            got = [worker_shards(n, r, world, epoch, seed=0) for r in range(world)]
+            assert sorted(sum(got, [])) == list(range(n))  # disjoint, and every shard read once per epoch
     manifest = {"shards": [f"s{i}" for i in range(6)], "examples_per_shard": [10] * 6,
                 "multimodal_per_shard": [8] * 6}
-    for epoch in range(3):
-        got = [list(islice(shard_plan(manifest, r, 2, epoch, seed=0), 3)) for r in range(2)]
-        assert sorted(got[0] + got[1]) == list(range(6))  # each shard once per epoch across the 2 workers
-        assert got == [list(islice(shard_plan(manifest, r, 2, epoch, seed=0), 3)) for r in range(2)]  # same plan
     one = StageSchedule(epochs=4)
     assert keep_probabilities(one, 1, 48, 12) == (1.0, 0.0)
-    assert steps_per_epoch(manifest, one, 16) == 3  # ceil(48 / 16), as the single-process trainer
+    assert shard_keeps(manifest, one, 1) == [(8, 0)] * 6
+    assert epoch_steps(manifest, one, 0, world=2, local_bs=8, seed=0) == 3  # 24 examples per worker / 8
     msd = StageSchedule(epochs=4, text_epochs=2)
-    n = min(48, 12)
     for epoch in (1, 3, 4):
-        p_mm, p_text = keep_probabilities(msd, epoch, 48, 12)
-        assert p_mm * 48 + p_text * 12 == pytest.approx(n)  # min(N_mm, N_text) items expected
-        assert p_mm * 48 / n == pytest.approx(msd.ratio(epoch))  # with the schedule's multimodal share
+        keeps = shard_keeps(manifest, msd, epoch)
+        n_mm, n_text = sum(k[0] for k in keeps), sum(k[1] for k in keeps)
+        assert n_mm + n_text == 12  # min(N_mm, N_text) items
+        assert n_mm == round(12 * msd.ratio(epoch))  # with the schedule's multimodal share
+    tiny = {"shards": ["a", "b", "c", "d"], "examples_per_shard": [4, 4, 4, 4], "multimodal_per_shard": [4, 3, 4, 3]}
+    keeps = shard_keeps(tiny, StageSchedule(epochs=2, text_epochs=1), 2)
+    assert sum(k[0] for k in keeps) == 2  # 2 of 14 multimodal examples kept, not 0 after per-shard rounding
     mixed = StageSchedule(epochs=4, mixed=True)
     assert keep_probabilities(mixed, 2, 48, 12) == (1.0, 1.0)
-    assert steps_per_epoch(manifest, mixed, 16) == 4  # ceil(60 / 16)
+    assert shard_keeps(manifest, mixed, 2) == [(8, 2)] * 6
 
 
 def test_shards_record_ids_and_errors_in_their_headers(tmp_path):

@@ -21,6 +21,9 @@ import torch
 from mmspec_ray.spec.tree import DraftTree, TreeConfig
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from mmspec_ray.config import S3Config
     from mmspec_ray.targets.base import TargetOutput, VLMTarget
 
 
@@ -70,7 +73,7 @@ def check_device(device: str | torch.device | None, target: "VLMTarget") -> None
                          "target's device (load the target there, or leave the drafter's device unset)")
 
 
-def check_drafter_files(path) -> None:
+def check_drafter_files(path: "Path") -> None:
     """A drafter checkpoint directory holds config.json and model.safetensors."""
     from mmspec_ray.targets.base import TargetError
 
@@ -80,11 +83,13 @@ def check_drafter_files(path) -> None:
                           "`mmspec train-drafter`")
 
 
-def load_drafter(spec: str | None, target: "VLMTarget", device: str | None = None) -> Drafter:
+def load_drafter(spec: str | None, target: "VLMTarget", device: str | None = None,
+                 s3: "S3Config | None" = None) -> Drafter:
     """A ready drafter for `target` from a method name ("none", "ngram") or a trained drafter checkpoint directory
     or s3:// prefix (`config.json` naming its `method` + `model.safetensors`). None or "" means no drafter (plain
     AR decoding).
-    `device`, when given, must be the target's (see `check_device`)."""
+    `device`, when given, must be the target's (see `check_device`); `s3`: the endpoint of an s3:// drafter
+    (default: from the environment)."""
     from pathlib import Path
 
     check_device(device, target)
@@ -95,7 +100,7 @@ def load_drafter(spec: str | None, target: "VLMTarget", device: str | None = Non
     if spec.startswith("s3://"):  # mirrored once into the local checkpoint cache, as targets are
         from mmspec_ray.targets.registry import fetch_checkpoint
 
-        spec = str(fetch_checkpoint(spec, check=check_drafter_files))
+        spec = str(fetch_checkpoint(spec, s3, check=check_drafter_files, refresh=True))  # small; may be re-published
     path = Path(spec)
     if not (path / "config.json").exists():
         raise ValueError(f"drafter {spec!r} is neither a method name (none, ngram) nor a drafter checkpoint "

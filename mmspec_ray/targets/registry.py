@@ -154,10 +154,11 @@ def checkpoint_cache() -> Path:
     return home / "checkpoints"
 
 
-def fetch_checkpoint(uri: str, s3: S3Config | None = None,
-                     check: Callable[[Path], None] | None = None) -> Path:
+def fetch_checkpoint(uri: str, s3: S3Config | None = None, check: Callable[[Path], None] | None = None,
+                     refresh: bool = False) -> Path:
     """Local paths pass through; s3://bucket/prefix is mirrored into the local cache once (resumable per file) and
-    checked by `check` (default: a target checkpoint's files, `check_checkpoint`)."""
+    checked by `check` (default: a target checkpoint's files, `check_checkpoint`). `refresh`: download every file
+    again (small checkpoints that may be re-published under the same prefix: drafters)."""
     if not uri.startswith("s3://"):
         return Path(uri[len("file://"):] if uri.startswith("file://") else uri)
     from pyarrow import fs
@@ -168,7 +169,7 @@ def fetch_checkpoint(uri: str, s3: S3Config | None = None,
     key = uri[len("s3://"):].rstrip("/")
     dest = checkpoint_cache() / hashlib.sha256(f"{s3.endpoint_override}|{key}".encode()).hexdigest()[:16]
     done = dest / ".mmspec-complete"
-    if done.exists():
+    if done.exists() and not refresh:
         return dest
     s3fs = s3_filesystem(s3)
     try:
@@ -182,7 +183,7 @@ def fetch_checkpoint(uri: str, s3: S3Config | None = None,
     for info in files:
         rel = info.path[len(key):].lstrip("/")
         out = dest / rel
-        if out.exists() and out.stat().st_size == info.size:
+        if out.exists() and out.stat().st_size == info.size and not refresh:
             continue
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(out.name + ".part")

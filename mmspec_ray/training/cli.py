@@ -43,6 +43,8 @@ def add_data_args(p: argparse.ArgumentParser) -> None:
     a("--cpus-per-worker", type=float, default=1.0)
     a("--max-failures", type=int, default=3, help="Ray Train worker-group restarts from the last checkpoint")
     a("--datagen-actors", type=int, default=1, help="target actors answering prompts (Ray Data actor pool)")
+    a("--rows-per-shard", type=int, default=32, help="rows per feature shard: the unit of resume (Ray Train needs at "
+      "least as many shards as workers; long video answers of a 7B target are ~10 MB a row)")
     a("--device", default="auto", help="data generation device: auto (cuda with --use-gpu), cpu, cuda")
     a("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
 
@@ -54,8 +56,16 @@ def job_from_args(a: argparse.Namespace, target: str) -> "TrainJob":
 
     if not a.out:
         raise ValueError("--out is required with --data: the drafter checkpoint directory or s3:// prefix")
+    toy_only = [f for f, v in (("--examples", getattr(a, "examples", None)),
+                               ("--text-examples", getattr(a, "text_examples", None)),
+                               ("--force", getattr(a, "force", False))) if v]
+    if toy_only:
+        raise ValueError(f"{', '.join(toy_only)}: toy-world options; with --data the rows are the data (use --limit) "
+                         "and a re-run resumes (give a new --work and --out to start over)")
     train = {"epochs": 8, "batch_size": 16, "lr": 2e-3}
     train.update({k: getattr(a, k) for k in TRAIN_FLAGS if getattr(a, k, None) is not None})
+    if getattr(a, "direct", False):
+        train["gradual"] = False
     decode = {"device": a.device if a.device != "auto" else ("cuda" if a.use_gpu else "auto"), "dtype": a.dtype}
     return TrainJob(method=a.method, target=target, data=a.data, out=a.out, work=a.work, heldout=a.heldout,
                     limit=a.limit, train=train,
@@ -63,7 +73,7 @@ def job_from_args(a: argparse.Namespace, target: str) -> "TrainJob":
                             if a.answer_temperature is not None else training_method(a.method).answer_temperature},
                     decode=decode, datagen_actors=a.datagen_actors, gpus_per_actor=1.0 if a.use_gpu else 0.0,
                     num_workers=a.num_workers, use_gpu=a.use_gpu, cpus_per_worker=a.cpus_per_worker,
-                    max_failures=a.max_failures)
+                    max_failures=a.max_failures, rows_per_shard=a.rows_per_shard)
 
 
 def run(a: argparse.Namespace, target: str) -> int:

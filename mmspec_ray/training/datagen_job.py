@@ -121,8 +121,16 @@ class FeatureWriter:
 
 
 def done_ids(store: ShardStore) -> set[str]:
-    """Ids already covered by a shard (answered or recorded as errors)."""
-    return {i for name in store.shard_names() for i in store.shard_info(name).ids}
+    """Ids a re-run skips: answered, or failed for a reason of the row itself. Rows that failed transiently (an S3
+    outage while reading media, an internal error) are answered again."""
+    from mmspec_ray.batch.rows import RETRYABLE_KINDS
+
+    retry = set(RETRYABLE_KINDS) | {"internal"}
+    done: set[str] = set()
+    for name in store.shard_names():
+        info = store.shard_info(name)
+        done |= {i for i in info.ids if info.errors.get(i, {}).get("error_kind") not in retry}
+    return done
 
 
 def run_datagen(job: DatagenJob, progress_every_s: float = 30.0) -> dict[str, Any]:
@@ -146,6 +154,7 @@ def run_datagen(job: DatagenJob, progress_every_s: float = 30.0) -> dict[str, An
     if job.limit is not None:
         ids = ids.slice(0, job.limit)
     store = ShardStore(job.output, cfg.s3)
+    check_resume(store, job)
     skip = done_ids(store) | set(job.exclude_ids)
     todo = ids.filter(pc.invert(pc.is_in(ids, value_set=pa.array(sorted(skip), pa.string()))))
     log.info("datagen %s -> %s: %d rows, %d done or held out, %d to answer", job.input, job.output, len(ids),
@@ -184,6 +193,22 @@ def run_datagen(job: DatagenJob, progress_every_s: float = 30.0) -> dict[str, An
     log.info("datagen done: %d examples from %d rows in %d shards, %d row errors, %.0f s", manifest["examples"],
              manifest["rows"], len(manifest["shards"]), len(manifest["errors"]), time.time() - t0)
     return manifest
+
+
+def check_resume(store: ShardStore, job: DatagenJob) -> None:
+    """A resume must be the same job: another target, data set, answer recipe or held-out split would mix features
+    of two jobs (ids collide across data sets, and rows trained on could land in the held-out set)."""
+    if not store.exists("manifest.json"):
+        return
+    old = store.manifest()
+    now = {"target": job.decode.target, "input": job.input, "recipe": job.recipe.model_dump(),
+           "held_out": sorted(job.exclude_ids)}
+    was = {"target": old.get("target"), "input": old.get("input"), "recipe": old.get("recipe"),
+           "held_out": sorted(old.get("held_out", []))}
+    diff = [k for k in now if was[k] is not None and was[k] != now[k]]
+    if diff:
+        raise ValueError(f"{store.uri} holds features of another job (different {', '.join(diff)}: was "
+                         f"{ {k: was[k] for k in diff} }); use another --work directory, or delete this one")
 
 
 def _keep_as_str(batch: pa.Table, ids: pa.Array) -> pa.Table:

@@ -7,20 +7,22 @@ and loss, the optimiser and LR schedule (`make_optimizer`) and the step (`train_
 on a worker: the driver hands over the head's config and the target's LM-head weight (`HeadInit`).
 
 Data loop (so that memory per worker is one shard, whatever the data set's size): every epoch the shard order is
-drawn from (seed, epoch), identically on every worker; worker r reads shards r, r+W, r+2W ... of that order
-(wrapping around), shuffles each shard's examples, and makes batches of batch_size / W from them. Every worker runs
-the same number of steps per epoch, ceil(items / batch_size) as the single-process trainer, so one step consumes
-one global batch of `batch_size` examples. A two-stage schedule keeps each multimodal example with probability
-r_e * n / N_mm and each text-only one with (1 - r_e) * n / N_text (n = min(N_mm, N_text)): the single-process
-schedule's expected mixture (a mixed schedule keeps every item of both pools). A method's `begin_epoch` hook runs
-before each epoch, as in the single-process trainer.
+drawn from (seed, epoch), identically on every worker; worker r reads shards r, r+W, r+2W ... of that order (its
+own, disjoint from the others'), shuffles each shard's examples, and cuts batches of batch_size / W (the batch size
+must split; there must be at least W shards). Every worker runs the same number of steps: the fewest full local
+batches any worker's shards hold, so one step consumes one global batch of `batch_size` examples and, with
+balanced shards, an epoch sees every kept example about once. A two-stage schedule keeps, per shard, its share
+r_e * n / N_mm of multimodal and (1 - r_e) * n / N_text of text-only examples (n = min(N_mm, N_text), rounded per
+shard, so counts are known from the manifest alone): the single-process schedule's expected mixture (a mixed
+schedule keeps every item of both pools). A method's `begin_epoch` hook runs before each epoch, as in the
+single-process trainer.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
-import math
 import os
 import tempfile
 import time
@@ -36,7 +38,7 @@ from mmspec_ray.config import S3Config
 from mmspec_ray.training.methods import training_method
 from mmspec_ray.training.schedule import StageSchedule
 from mmspec_ray.training.shards import FeatureExample, ShardStore
-from mmspec_ray.training.trainer import TrainConfig, make_optimizer, stage_schedule, train_step
+from mmspec_ray.training.trainer import TrainConfig, make_optimizer, stage_schedule, to_device, train_step
 
 log = logging.getLogger(__name__)
 
@@ -63,18 +65,15 @@ class HeadInit(BaseModel):
     lm_head_path: str  # safetensors with "weight" [V, d]; local path visible to every worker or s3://
 
 
-def shard_plan(manifest: dict[str, Any], rank: int, world: int, epoch: int, seed: int) -> Iterator[int]:
-    """Shard indices worker `rank` reads in `epoch`, in order, forever (wrapping around the epoch's order)."""
-    n = len(manifest["shards"])
-    order = np.random.default_rng([seed, epoch, 7]).permutation(n)
-    k = rank % n
-    while True:
-        yield int(order[k % n])
-        k += world
+def worker_shards(n_shards: int, rank: int, world: int, epoch: int, seed: int) -> list[int]:
+    """Shard indices worker `rank` reads in `epoch` (0-indexed): every `world`-th of the epoch's shard order, which
+    every worker draws alike from (seed, epoch), so the workers' shards are disjoint and cover every shard."""
+    order = np.random.default_rng([seed, epoch, 7]).permutation(n_shards)
+    return [int(s) for s in order[rank::world]]
 
 
 def keep_probabilities(stages: StageSchedule, epoch: int, n_mm: int, n_text: int) -> tuple[float, float]:
-    """(p multimodal, p text): each example's chance to be used in `epoch` (1-indexed), matching the in-memory
+    """(share of multimodal, share of text-only examples) used in `epoch` (1-indexed), matching the in-memory
     schedule's expected mixture."""
     if stages.mixed and epoch > stages.text_epochs:  # every item of both pools (HiViS)
         return 1.0, 1.0
@@ -82,38 +81,82 @@ def keep_probabilities(stages: StageSchedule, epoch: int, n_mm: int, n_text: int
         return 1.0, 0.0
     if n_mm == 0 or n_text == 0:
         raise ValueError(f"a two-stage schedule needs text and multimodal examples (got {n_text} text, "
-                         f"{n_mm} multimodal)")
+                         f"{n_mm} multimodal); add text-only rows (no media) to the requests or set --text-epochs 0")
     n = min(n_mm, n_text)
     r = stages.ratio(epoch)
     return r * n / n_mm, (1 - r) * n / n_text
 
 
+def allocate(total: int, counts: list[int]) -> list[int]:
+    """`total` items spread over shards in proportion to `counts` (largest remainder, ties to the lower index), so
+    the epoch keeps exactly `total` however small the shards."""
+    n = sum(counts)
+    if n == 0 or total <= 0:
+        return [0] * len(counts)
+    quota = [total * c / n for c in counts]
+    out = [int(q) for q in quota]
+    for i in sorted(range(len(counts)), key=lambda i: (out[i] - quota[i], i))[:total - sum(out)]:
+        out[i] += 1
+    return out
+
+
+def shard_keeps(manifest: dict[str, Any], stages: StageSchedule, epoch: int) -> list[tuple[int, int]]:
+    """Per shard, how many (multimodal, text-only) examples `epoch` (1-indexed) uses: the schedule's shares of each
+    pool, spread over the shards by `allocate`, so every worker knows every shard's count from the manifest alone."""
+    total = manifest["examples_per_shard"]
+    mm = manifest.get("multimodal_per_shard", total)
+    text = [t - m for m, t in zip(mm, total)]
+    p_mm, p_text = keep_probabilities(stages, epoch, sum(mm), sum(text))
+    return list(zip(allocate(round(p_mm * sum(mm)), mm), allocate(round(p_text * sum(text)), text)))
+
+
+def epoch_steps(manifest: dict[str, Any], stages: StageSchedule, epoch: int, world: int, local_bs: int,
+                seed: int) -> int:
+    """Optimiser steps of `epoch` (0-indexed), the same on every worker: the fewest full local batches any worker's
+    shards hold (so no worker repeats data, and with balanced shards one epoch sees every kept example once); one
+    (partial) step when every worker has some data but less than a batch; 0 when some worker has none."""
+    keeps = shard_keeps(manifest, stages, epoch + 1)
+    n = len(keeps)
+    per_worker = [sum(sum(keeps[s]) for s in worker_shards(n, r, world, epoch, seed)) for r in range(world)]
+    if min(per_worker) == 0:
+        return 0
+    return max(1, min(per_worker) // local_bs)
+
+
+def check_plan(manifest: dict[str, Any], cfg: TrainConfig, world: int) -> None:
+    """Refuse a data plan that cannot be data-parallel: fewer shards than workers, a batch that does not split."""
+    n = len(manifest["shards"])
+    if n < world:
+        raise ValueError(f"{n} feature shard(s) for {world} workers: every worker needs its own shards; regenerate "
+                         "the features with fewer rows per shard (--rows-per-shard) or use fewer workers")
+    if cfg.batch_size % world:
+        raise ValueError(f"batch size {cfg.batch_size} does not split over {world} workers; use a multiple of it")
+
+
 def local_batches(store: ShardStore, manifest: dict[str, Any], stages: StageSchedule, cfg: TrainConfig,
                   epoch: int, rank: int, world: int, local_bs: int) -> Iterator[tuple[list[FeatureExample],
                                                                                    list[int]]]:
-    """Endless (pool, batch indices) of this worker in `epoch` (0-indexed), one shard in memory at a time."""
-    mm_counts = manifest.get("multimodal_per_shard", manifest["examples_per_shard"])
-    n_mm = sum(mm_counts)
-    n_text = sum(manifest["examples_per_shard"]) - n_mm
-    p_mm, p_text = keep_probabilities(stages, epoch + 1, n_mm, n_text)
-    for pass_no, s in enumerate(shard_plan(manifest, rank, world, epoch, cfg.seed)):
-        rng = np.random.default_rng([cfg.seed, epoch, s, pass_no])
-        pool = store.load_shard(manifest["shards"][s])
-        keep = [i for i in rng.permutation(len(pool))
-                if rng.random() < (p_mm if pool[i].multimodal else p_text)]
-        # length-bucketed, as the single-process trainer: sort chunks by length to limit padding
-        span = local_bs * cfg.bucket_batches
-        for c0 in range(0, len(keep), span):
-            chunk = sorted(keep[c0:c0 + span], key=lambda j: pool[j].input_ids.shape[0])
-            for b0 in range(0, len(chunk), local_bs):
-                yield pool, chunk[b0:b0 + local_bs]
-
-
-def steps_per_epoch(manifest: dict[str, Any], stages: StageSchedule, batch_size: int) -> int:
-    """The single-process trainer's steps per epoch for the same data."""
-    total = sum(manifest["examples_per_shard"])
-    n_mm = sum(manifest.get("multimodal_per_shard", manifest["examples_per_shard"]))
-    return max(1, math.ceil(stages.items_per_epoch(n_mm, total - n_mm) / batch_size))
+    """Endless (pool, batch indices) of this worker in `epoch` (0-indexed), one shard in memory at a time: its own
+    shards in order (again, reshuffled, only if it runs out before the epoch's last step)."""
+    keeps = shard_keeps(manifest, stages, epoch + 1)
+    mine = [s for s in worker_shards(len(keeps), rank, world, epoch, cfg.seed) if sum(keeps[s])]
+    if not mine:
+        return
+    for pass_no in itertools.count():
+        for s in mine:
+            rng = np.random.default_rng([cfg.seed, epoch, s, pass_no, rank])
+            pool = store.load_shard(manifest["shards"][s])
+            mm = [i for i, ex in enumerate(pool) if ex.multimodal]
+            text = [i for i, ex in enumerate(pool) if not ex.multimodal]
+            k_mm, k_text = keeps[s]
+            chosen = [int(i) for i in rng.permutation(mm)[:k_mm]] + [int(i) for i in rng.permutation(text)[:k_text]]
+            keep = [chosen[i] for i in rng.permutation(len(chosen))]
+            # length-bucketed, as the single-process trainer: sort chunks by length to limit padding
+            span = local_bs * cfg.bucket_batches
+            for c0 in range(0, len(keep), span):
+                chunk = sorted(keep[c0:c0 + span], key=lambda j: pool[j].input_ids.shape[0])
+                for b0 in range(0, len(chunk), local_bs):
+                    yield pool, chunk[b0:b0 + local_bs]
 
 
 def _average_grads(head: torch.nn.Module) -> None:
@@ -166,12 +209,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     store = ShardStore(config["data"], s3)
     manifest = store.manifest()
     stages = stage_schedule(m, cfg)
-    steps = steps_per_epoch(manifest, stages, cfg.batch_size)
-    local_bs = max(1, math.ceil(cfg.batch_size / world))
+    check_plan(manifest, cfg, world)
+    local_bs = cfg.batch_size // world
+    steps_of = [epoch_steps(manifest, stages, e, world, local_bs, cfg.seed) for e in range(cfg.epochs)]
     torch.manual_seed(cfg.seed)
     head = m.head_from_config(init.head_config).float().to(device).train()
     W = _load_lm_head(init.lm_head_path, s3, device)
-    opt, sched = make_optimizer(head, cfg, steps * cfg.epochs)
+    opt, sched = make_optimizer(head, cfg, sum(steps_of))
     history: list[dict[str, Any]] = []
     starts: list[int] = []
     start_epoch = 0
@@ -193,17 +237,19 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         gen = torch.Generator().manual_seed(cfg.seed * 100_003 + epoch * 1_009 + rank)
         sums: dict[str, float] = {"loss": 0.0}
         batches = local_batches(store, manifest, stages, cfg, epoch, rank, world, local_bs)
+        steps = steps_of[epoch]
+        if not steps:
+            log.warning("epoch %d: some worker has no examples this epoch (tiny data set); no step taken", epoch + 1)
         for _ in range(steps):
             pool, idx = next(batches)
-            batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v
-                     for k, v in m.collate(pool, idx, cfg.noise, gen).items()}
+            batch = to_device(m.collate(pool, idx, cfg.noise, gen), device)
             loss, parts = train_step(m, head, batch, W, cfg, opt, sched, reduce_grads=_average_grads)
             sums["loss"] += loss
             for k, v in parts.items():
                 sums[k] = sums.get(k, 0.0) + v
-        mean = torch.tensor([sums[k] / steps for k in sorted(sums)], dtype=torch.float64)
+        mean = torch.tensor([sums[k] / max(1, steps) for k in sorted(sums)], dtype=torch.float64, device=device)
         dist.all_reduce(mean)  # report the mean over workers
-        rec = {"epoch": epoch + 1, **{k: float(v) / world for k, v in zip(sorted(sums), mean)},
+        rec = {"epoch": epoch + 1, **{k: float(v) / world for k, v in zip(sorted(sums), mean.tolist())},
                "train_s": time.time() - t0, "steps": steps, "workers": world,
                "multimodal_share": stages.ratio(epoch + 1)}
         history.append(rec)

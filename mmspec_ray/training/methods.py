@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 def causal_pad_mask(valid: torch.Tensor) -> torch.Tensor:
     """[B, 1, T, T] bool: causal, no attention to padding (padding rows attend to themselves to stay finite)."""
     T = valid.shape[1]
-    m = torch.ones(T, T, dtype=torch.bool).tril()[None] & valid[:, None, :]
-    m |= torch.eye(T, dtype=torch.bool)[None]
+    m = torch.ones(T, T, dtype=torch.bool, device=valid.device).tril()[None] & valid[:, None, :]
+    m |= torch.eye(T, dtype=torch.bool, device=valid.device)[None]
     return m[:, None]
 
 
@@ -115,7 +115,7 @@ class TrainingMethod:
     def loss(self, head: nn.Module, batch: dict[str, torch.Tensor], lm_head_weight: torch.Tensor,
              p_weight: float) -> tuple[torch.Tensor, dict[str, float]]:
         emb = batch["emb"]
-        pos = torch.arange(emb.shape[1])[None].expand(emb.shape[0], -1)
+        pos = torch.arange(emb.shape[1], device=emb.device)[None].expand(emb.shape[0], -1)
         pred = head(emb, batch["feat"], pos, causal_pad_mask(batch["valid"]), visual=batch["visual"])
         return eagle_loss(pred, batch["tgt"], lm_head_weight, batch["loss_mask"], p_weight=p_weight)
 
@@ -199,7 +199,7 @@ def multi_step_mask(T: int, f: int, valid: torch.Tensor) -> torch.Tensor:
     self-fed drafting steps). Query t is step f of the chain that started after real features up to t - f:
     block 0 (target features) keys tau <= t - f, block m >= 1 the chain's own step-m entry tau = t - f + m (m = f:
     the query itself). Padding keys are never attended."""
-    tq, tk = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    tq, tk = torch.arange(T, device=valid.device)[:, None], torch.arange(T, device=valid.device)[None, :]
     blocks = [(tk <= tq - f)[None] & valid[:, None, :]]
     blocks += [(tk == tq - f + m)[None].expand(valid.shape[0], T, T) for m in range(1, f + 1)]
     mask = torch.cat(blocks, -1)
@@ -285,10 +285,10 @@ class HiViSMethod(TrainingMethod):
             y = (tgt @ lm_head_weight.T).argmax(-1)  # the target's greedy token at each position
             hits = [(torch.topk(o @ lm_head_weight.T, self.filter_k, dim=-1).indices == y[..., None]).any(-1)
                     for o in outs]
-        total = torch.zeros(())
+        total = torch.zeros((), device=tgt.device)
         parts: dict[str, float] = {}
         for f, (out, alive) in enumerate(zip(outs, chain_alive(hits))):
-            reach = batch["loss_mask"] & (torch.arange(T) >= f)[None]  # a chain of f steps fits before t
+            reach = batch["loss_mask"] & (torch.arange(T, device=tgt.device) >= f)[None]  # f steps fit before t
             m = reach & alive
             loss, p = eagle_loss(out, tgt, lm_head_weight, m, p_weight=p_weight, k_weight=self.topk_weight,
                                  k=self.topk_k)
@@ -307,7 +307,7 @@ def multi_step_forward(head: HiViSHead, emb: torch.Tensor, feat: torch.Tensor, v
     (detached: no gradient through the chain) and e_seq^min(f, 3), and attends by `multi_step_mask`, so its output
     at t is what a drafter started after real features up to t - f predicts at its f-th self-fed step."""
     B, T, _ = emb.shape
-    pos = torch.arange(T)[None].expand(B, -1)
+    pos = torch.arange(T, device=emb.device)[None].expand(B, -1)
     layer = head.layer
     blank = emb.new_zeros(B, layer.kv_heads, T, layer.head_dim)
     keys: list[torch.Tensor] = []

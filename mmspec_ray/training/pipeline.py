@@ -15,10 +15,10 @@ import logging
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -33,7 +33,11 @@ from mmspec_ray.training.methods import training_method
 from mmspec_ray.training.shards import ShardStore
 from mmspec_ray.training.trainer import TrainConfig, heldout_tau, stage_schedule, train_drafter
 
+if TYPE_CHECKING:
+    from mmspec_ray.targets.base import VLMTarget
+
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class TrainJob(BaseModel):
@@ -54,6 +58,8 @@ class TrainJob(BaseModel):
     decode: dict[str, Any] = Field(default_factory=dict, description="DecodeConfig fields for datagen (device, dtype, "
                                    "media ...); `target` is filled in")
     datagen_actors: int = Field(1, ge=1)
+    rows_per_shard: int = Field(32, ge=1, description="rows per feature shard (the unit of resume; Ray Train needs "
+                                "at least as many shards as workers)")
     gpus_per_actor: float = Field(0.0, ge=0.0)
     num_workers: int = Field(0, ge=0, description="0: the single-process trainer; N: Ray Train with N workers")
     use_gpu: bool = False
@@ -86,14 +92,17 @@ def heldout_ids(job: TrainJob, cfg: DecodeConfig) -> list[str]:
 def heldout_requests(job: TrainJob, cfg: DecodeConfig, ids: list[str]) -> list[Request]:
     """The held-out rows as requests (media decoded by the batch jobs' row code); bad rows are skipped, logged."""
     from mmspec_ray.batch.rows import RowError, prepare_row, resolve_image_side
-    from mmspec_ray.batch.storage import locate, parquet_files
+    from mmspec_ray.batch.storage import locate
+    from mmspec_ray.batch.storage import parquet_files as parts_of
 
     if not ids:
         return []
     cfg = resolve_image_side(cfg)
     src = locate(job.data, cfg.s3)
-    table = pq.read_table(parquet_files(src), filesystem=src.fs)
-    table = table.filter(pc.is_in(table.column("id").cast(pa.string()), value_set=pa.array(ids, pa.string())))
+    parts = [pq.read_table(f, filesystem=src.fs, filters=[("id", "in", ids_as(pq.read_schema(f, filesystem=src.fs)
+                                                                           .field("id").type, ids))])
+             for f in parts_of(src)]
+    table = pa.concat_tables(parts)
     out = []
     for row in table.to_pylist():
         try:
@@ -101,6 +110,11 @@ def heldout_requests(job: TrainJob, cfg: DecodeConfig, ids: list[str]) -> list[R
         except RowError as e:
             log.warning("held-out row %r skipped: %s", row.get("id"), e)
     return out
+
+
+def ids_as(kind: pa.DataType, ids: list[str]) -> list:
+    """The held-out ids (kept as strings) in the id column's own type, for a parquet read filter."""
+    return [int(i) for i in ids] if pa.types.is_integer(kind) else ids
 
 
 def publish(local: Path, uri: str, s3) -> None:
@@ -116,59 +130,119 @@ def publish(local: Path, uri: str, s3) -> None:
 
 
 def run_train_job(job: TrainJob) -> dict[str, Any]:
-    """Run (or resume) the whole job; returns a summary (also the `heldout` part of the drafter's history.json)."""
-    from mmspec_ray.batch.decoder import resolve_device
-    from mmspec_ray.drafters.base import load_drafter
-    from mmspec_ray.targets import load_target
-
+    """Run (or resume) the whole job; returns a summary (also the drafter's history.json)."""
     from mmspec_ray.batch.cluster import connect_ray
 
     m = training_method(job.method)
     cfg = job.decode_config()
     held = heldout_ids(job, cfg)
-    if job.num_workers:
-        check_streamable(m)  # before any work
-        connect_ray(dashboard=True)  # a local cluster with the state API Ray Train's controller polls
+    check_plan_early(m, job)
+    connect_ray(dashboard=bool(job.num_workers))  # Ray Train's controller polls the state API (the dashboard's)
+    check_shared_work(job)
     features = job.work_dir.rstrip("/") + "/features"
     manifest = run_datagen(DatagenJob(input=job.data, output=features, decode=cfg, recipe=job.recipe,
                                       exclude_ids=tuple(held), limit=job.limit, num_actors=job.datagen_actors,
-                                      gpus_per_actor=job.gpus_per_actor))
+                                      gpus_per_actor=job.gpus_per_actor, rows_per_shard=job.rows_per_shard))
     if not manifest["examples"]:
         raise ValueError(f"data generation gave no training examples ({len(manifest['errors'])} row errors, e.g. "
                          f"{next(iter(manifest['errors'].items()), None)}); see {features}/manifest.json")
-    device, dtype = resolve_device(cfg)
-    target = load_target(job.target, device, dtype, s3=cfg.s3)
-    requests = heldout_requests(job, cfg, held)
-    local = Path(tempfile.mkdtemp(prefix="mmspec-drafter-"))
     if job.num_workers == 0:
-        from mmspec_ray.training.datagen import load_features
-
-        examples = load_features(features)
-        mm = [e for e in examples if e.multimodal]
-        text = [e for e in examples if not e.multimodal] if stage_schedule(m, job.train).uses_text else []
-        train_drafter(m, target, mm, local, job.train, heldout=requests, tree=job.tree, text_examples=text)
-        history = json.loads((local / "history.json").read_text())
-        (local / "trainer_state.pt").unlink()
+        history = on_target_node(job, train_single_process, job, features, held)
     else:
-        init = write_head_init(m, target, job.work_dir.rstrip("/") + "/init", cfg.s3)
+        from mmspec_ray.training.distributed import check_plan
+
+        check_plan(manifest, job.train, job.num_workers)
+        init = on_target_node(job, prepare_head_init, job)
         dist_cfg = DistributedConfig(num_workers=job.num_workers, use_gpu=job.use_gpu,
                                      cpus_per_worker=job.cpus_per_worker, max_failures=job.max_failures,
                                      storage=job.work_dir.rstrip("/") + "/ray-train", name=run_name(job))
         trained = fit(features, init, job.train, dist_cfg, cfg.s3)
-        shutil.copytree(trained, local, dirs_exist_ok=True)
-        history = json.loads((local / "history.json").read_text())
-    drafter = load_drafter(str(local), target)
-    tau = heldout_tau(target, drafter, requests, job.tree, job.train.eval_max_new_tokens)
+        history = json.loads((trained / "history.json").read_text())
+        publish(trained, job.out, cfg.s3)
+        shutil.rmtree(trained, ignore_errors=True)
+    tau, n_held = on_target_node(job, measure_heldout, job, held)
     summary = {"method": m.name, "target": job.target, "data": job.data, "out": job.out,
                "examples": manifest["examples"], "row_errors": len(manifest["errors"]),
-               "heldout_rows": len(requests), "heldout_tau": tau, "trainer": "ray-train" if job.num_workers else
+               "heldout_rows": n_held, "heldout_tau": tau, "trainer": "ray-train" if job.num_workers else
                "single-process", "workers": job.num_workers, "history": history}
-    (local / "history.json").write_text(json.dumps(summary, indent=2))
-    publish(local, job.out, cfg.s3)
-    shutil.rmtree(local, ignore_errors=True)
-    log.info("drafter %s for %s written to %s: held-out τ %.3f on %d rows", m.name, job.target, job.out, tau,
-             len(requests))
+    ShardStore(job.out, cfg.s3).write("history.json", json.dumps(summary, indent=2).encode())
+    log.info("drafter %s for %s written to %s: held-out τ %.3f on %d rows", m.name, job.target, job.out, tau, n_held)
     return summary
+
+
+def on_target_node(job: TrainJob, fn: Callable[..., T], *args: Any) -> T:
+    """Run `fn` (work that loads the target) here, or with --use-gpu as a Ray task holding one GPU: under `ray job
+    submit` this process is the driver on the head node, which has no GPU (and no room for a large target)."""
+    if not job.use_gpu:
+        return fn(*args)
+    import ray
+
+    task = ray.remote(num_cpus=job.cpus_per_worker, num_gpus=1)(fn)
+    return ray.get(task.remote(*args))
+
+
+def load_job_target(job: TrainJob) -> "VLMTarget":
+    from mmspec_ray.batch.decoder import resolve_device
+    from mmspec_ray.targets import load_target
+
+    cfg = job.decode_config()
+    device, dtype = resolve_device(cfg)
+    return load_target(job.target, device, dtype, s3=cfg.s3)
+
+
+def train_single_process(job: TrainJob, features: str, held: list[str]) -> list[dict[str, Any]]:
+    """The single-process trainer on every example, in a run directory kept under $MMSPEC_HOME (a re-run resumes
+    from its trainer_state.pt); the drafter is then published to `job.out`. Returns the per-epoch history."""
+    from mmspec_ray.toy.build import mmspec_home
+    from mmspec_ray.training.datagen import load_features
+
+    m = training_method(job.method)
+    target = load_job_target(job)
+    examples = load_features(features)
+    mm = [e for e in examples if e.multimodal]
+    text = [e for e in examples if not e.multimodal] if stage_schedule(m, job.train).uses_text else []
+    run = mmspec_home() / "train-runs" / run_name(job)
+    train_drafter(m, target, mm, run, job.train, heldout=heldout_requests(job, job.decode_config(), held),
+                  tree=job.tree, text_examples=text)
+    out = Path(tempfile.mkdtemp(prefix="mmspec-drafter-"))
+    for name in ("config.json", "model.safetensors", "history.json"):
+        shutil.copy(run / name, out / name)
+    publish(out, job.out, job.decode_config().s3)
+    shutil.rmtree(out, ignore_errors=True)
+    return json.loads((run / "history.json").read_text())
+
+
+def prepare_head_init(job: TrainJob) -> HeadInit:
+    return write_head_init(training_method(job.method), load_job_target(job), job.work_dir.rstrip("/") + "/init",
+                           job.decode_config().s3)
+
+
+def measure_heldout(job: TrainJob, held: list[str]) -> tuple[float, int]:
+    """The published drafter's τ on the held-out rows (greedy, the job's tree), and how many rows it ran on."""
+    from mmspec_ray.drafters.base import load_drafter
+
+    target = load_job_target(job)
+    requests = heldout_requests(job, job.decode_config(), held)
+    drafter = load_drafter(job.out, target, s3=job.decode_config().s3)
+    return heldout_tau(target, drafter, requests, job.tree, job.train.eval_max_new_tokens), len(requests)
+
+
+def check_plan_early(m, job: TrainJob) -> None:
+    """Mistakes that would otherwise surface after hours of data generation, refused before any work."""
+    if job.num_workers:
+        check_streamable(m)
+        if job.train.batch_size % job.num_workers:
+            raise ValueError(f"batch size {job.train.batch_size} does not split over {job.num_workers} workers; "
+                             "use a multiple of --num-workers")
+
+
+def check_shared_work(job: TrainJob) -> None:
+    """On a multi-node cluster the work directory must be shared storage: shards are written by actors on any
+    node, and Ray Train's checkpoints and head init are read on every node."""
+    import ray
+
+    if not job.work_dir.startswith("s3://") and len([n for n in ray.nodes() if n.get("Alive")]) > 1:
+        raise ValueError(f"--work {job.work_dir} is a local path on a multi-node Ray cluster; give an s3:// one")
 
 
 def check_streamable(m) -> None:

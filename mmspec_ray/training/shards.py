@@ -139,12 +139,13 @@ class ShardStore:
     def write_manifest(self, extra: dict[str, Any]) -> dict[str, Any]:
         """Rewrite manifest.json from the shards present now (+ `extra`: recipe, target ...)."""
         infos = [self.shard_info(n) for n in self.shard_names()]
+        answered = {r for i in infos for r in i.ids if r not in i.errors}  # a retried row may also have failed before
         manifest = {**extra, "shards": [i.name for i in infos],
                     "examples_per_shard": [i.examples for i in infos],
                     "multimodal_per_shard": [i.multimodal for i in infos],
                     "examples": sum(i.examples for i in infos),
-                    "rows": sum(len(i.ids) for i in infos),
-                    "errors": {k: v for i in infos for k, v in i.errors.items()}}
+                    "rows": len({r for i in infos for r in i.ids}),
+                    "errors": {k: v for i in infos for k, v in i.errors.items() if k not in answered}}
         self.write(MANIFEST, json.dumps(manifest, indent=1).encode())
         return manifest
 

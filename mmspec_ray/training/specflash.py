@@ -105,7 +105,7 @@ def layer_inputs(head: SpecFlashHead, item: dict[str, torch.Tensor]) -> torch.Te
     comp = kind == COMPRESSED
     if comp.any():
         f = item["pieces"]  # [P, Nmax, d]
-        valid = torch.arange(f.shape[1])[None] < item["piece_len"][:, None]
+        valid = torch.arange(f.shape[1], device=f.device)[None] < item["piece_len"][:, None]
         logits = torch.einsum("cd,pnd->pcn", head.queries, f).masked_fill(~valid[:, None], float("-inf"))
         z = torch.einsum("pcn,pnd->pcd", torch.softmax(logits, -1), f)  # [P, Q, d]
         x = torch.where(comp[:, None], z[item["piece"].clamp(min=0), aux.clamp(0, z.shape[1] - 1)], x)

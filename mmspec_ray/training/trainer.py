@@ -15,6 +15,7 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -70,6 +71,17 @@ def heldout_tau(target: VLMTarget, drafter, requests: list[Request], tree: TreeC
     return acc / max(1, cyc)
 
 
+def to_device(obj: Any, device: torch.device) -> Any:
+    """A method's batch (tensors in dicts and lists, e.g. SpecFLASH's per-example items) moved to `device`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, device) for v in obj)
+    return obj
+
+
 def make_optimizer(head: torch.nn.Module, cfg: TrainConfig, total_steps: int):
     """AdamW (0.9, 0.95) with linear warm-up then cosine decay over `total_steps` (shared by both trainers)."""
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -112,8 +124,8 @@ def train_drafter(method: str | TrainingMethod, target: VLMTarget, examples: lis
     pool = list(examples) + text_examples  # text items are indexed after the multimodal ones
     n_mm = len(examples)
     torch.manual_seed(cfg.seed)
-    head = m.head(target).float().train()
     W = target.model.get_output_embeddings().weight.detach().float()
+    head = m.head(target).float().to(W.device).train()  # trains where the target sits (its LM head is in the loss)
     steps_per_epoch = math.ceil(stages.items_per_epoch(n_mm, len(text_examples)) / cfg.batch_size)
     opt, sched = make_optimizer(head, cfg, steps_per_epoch * cfg.epochs)
     state_path = out / "trainer_state.pt"
@@ -144,7 +156,8 @@ def train_drafter(method: str | TrainingMethod, target: VLMTarget, examples: lis
         parts_sum = {"loss": 0.0, "vloss": 0.0, "ploss": 0.0, "top1": 0.0}
         bar = tqdm(batches, desc=f"train {m.name} drafter epoch {epoch + 1}/{cfg.epochs}", unit="batch")
         for idx in bar:
-            loss, parts = train_step(m, head, m.collate(pool, idx, cfg.noise, gen), W, cfg, opt, sched)
+            batch = to_device(m.collate(pool, idx, cfg.noise, gen), W.device)
+            loss, parts = train_step(m, head, batch, W, cfg, opt, sched)
             parts_sum["loss"] += loss
             for k, v in parts.items():
                 parts_sum[k] = parts_sum.get(k, 0.0) + v
