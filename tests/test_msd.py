@@ -172,13 +172,7 @@ def test_trained_msd_is_lossless_on_every_family_and_request(family, tmp_path):
 def test_msd_sampling_output_distribution_equals_the_target(tmp_path):
     """An image request at T 0.8, top-k 4, top-p 0.9 through a briefly trained MSD drafter: 3-token answers match
     the exact warped target distribution (chi-square at p = 1e-4, 1,500 samples)."""
-    from collections import Counter
-
-    from mmspec_ray.config import SamplingParams
-    from mmspec_ray.spec.sampling import warp
-    from mmspec_ray.training.datagen import extend_inputs
-    from test_spec_accept import chi2_critical, chi2_stat
-    from test_spec_engine import three_token_distribution
+    from test_spec_engine import check_trained_drafter_samples
 
     target = wrap(*tiny_llava(init=0.08))  # flatter logits: several tokens per step carry real mass
     req = Request(prompt="describe the image", images=tuple(random_images(1, seed=7)))
@@ -186,25 +180,7 @@ def test_msd_sampling_output_distribution_equals_the_target(tmp_path):
                             for i in range(8)], tmp_path / "mm", n_tokens=8)
     cfg = TrainConfig(epochs=3, batch_size=4, lr=3e-3, warmup_steps=1, text_epochs=0)
     d = load_drafter(str(train_drafter("msd", target, mm, tmp_path / "d", cfg)), target)
-    params = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
-    inputs = target.encode(req)
-
-    def dist(prefix: list[int]) -> torch.Tensor:
-        with torch.inference_mode():
-            return warp(target.model(**extend_inputs(inputs, prefix)).logits[0, -1], params)
-
-    probs = three_token_distribution(dist)
-    assert len(probs) >= 8
-    n = 1500
-    eng = SpecEngine(target, d, TreeConfig(top_k=3, depth=2, total_tokens=8))
-    samples, accepted = Counter(), 0
-    for s in range(n):
-        g = eng.generate(req, SamplingParams(temperature=0.8, top_k=4, top_p=0.9, seed=s), max_new_tokens=3)
-        samples[tuple(g.token_ids)] += 1
-        accepted += sum(g.stats.accepted_per_cycle)
-    assert accepted > n // 4  # the trained drafter's proposals are really accepted, not all rejected
-    stat, df = chi2_stat(samples, probs, n)
-    assert stat < chi2_critical(df), f"chi2 {stat:.1f} > {chi2_critical(df):.1f} (df {df})"
+    check_trained_drafter_samples(target, d, req, min_accepted=1500 // 4)
 
 
 def test_bench_runs_several_drafters_in_one_interleaved_run(tmp_path):

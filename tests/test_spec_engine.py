@@ -161,6 +161,32 @@ def three_token_distribution(dist) -> dict[tuple[int, ...], float]:
     return probs
 
 
+def check_trained_drafter_samples(target, drafter, req: Request, min_accepted: int, n: int = 1500) -> None:
+    """A trained drafter's 3-token sampled answers (T 0.8, top-k 4, top-p 0.9) follow the exact warped target
+    distribution (chi-square at p = 1e-4 over `n` samples), and more than `min_accepted` of its proposals are
+    accepted in all (so the test exercises acceptance, not only rejection)."""
+    from mmspec_ray.training.datagen import extend_inputs
+
+    params = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
+    inputs = target.encode(req)
+
+    def dist(prefix: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return warp(target.model(**extend_inputs(inputs, prefix)).logits[0, -1], params)
+
+    probs = three_token_distribution(dist)
+    assert len(probs) >= 8
+    eng = SpecEngine(target, drafter, TreeConfig(top_k=3, depth=2, total_tokens=8))
+    samples, accepted = Counter(), 0
+    for s in range(n):
+        g = eng.generate(req, SamplingParams(temperature=0.8, top_k=4, top_p=0.9, seed=s), max_new_tokens=3)
+        samples[tuple(g.token_ids)] += 1
+        accepted += sum(g.stats.accepted_per_cycle)
+    assert accepted > min_accepted, accepted
+    stat, df = chi2_stat(samples, probs, n)
+    assert stat < chi2_critical(df), f"chi2 {stat:.1f} > {chi2_critical(df):.1f} (df {df})"
+
+
 def test_sampling_output_distribution_equals_the_target(tmp_path):
     """3-token answers from SpecEngine vs the exact warped target distribution (top-k 4, top-p 0.9, T 0.8), by a
     chi-square test at p = 1e-4 over 1,500 samples."""
