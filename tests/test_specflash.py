@@ -218,8 +218,9 @@ def test_trained_specflash_is_lossless_on_every_family_and_request(family, tmp_p
     target = build_target(family)
     reqs = FAMILIES[family].requests
     mm = _features(target, [r for n, r in reqs.items() if n != "text"] * 2, tmp_path / "mm", n_tokens=12)
-    cfg = TrainConfig(epochs=2, batch_size=2, lr=3e-3, warmup_steps=1)
+    cfg = TrainConfig(epochs=8, batch_size=2, lr=1e-2, warmup_steps=1)
     d = load_drafter(str(train_drafter("specflash", target, mm, tmp_path / "d", cfg)), target)
+    accepted = 0
     for name, req in reqs.items():
         ar = AREngine(target).generate(req, max_new_tokens=24)
         inputs = target.encode(req)
@@ -228,8 +229,10 @@ def test_trained_specflash_is_lossless_on_every_family_and_request(family, tmp_p
         assert ar.token_ids == hf[0, inputs["input_ids"].shape[1]:].tolist(), (family, name)
         for draft in ("chain", "tree"):
             d.head.cfg = d.head.cfg.model_copy(update={"draft": draft})
-            assert SpecEngine(target, d, TREE).generate(req, max_new_tokens=24).token_ids == ar.token_ids, \
-                (family, name, draft)
+            sp = SpecEngine(target, d, TREE).generate(req, max_new_tokens=24)
+            assert sp.token_ids == ar.token_ids, (family, name, draft)
+            accepted += sum(sp.stats.accepted_per_cycle)
+    assert accepted > 0, family  # drafts were accepted: the drafter's queue / KV path after acceptance ran
 
 
 @pytest.mark.parametrize("draft", ["chain", "tree"])
