@@ -22,6 +22,10 @@ from mmspec_ray.training.shards import FeatureExample, ShardStore
 
 __all__ = ["DatagenRecipe", "FeatureExample", "answer_and_featurize", "generate_features", "load_features"]
 
+# The error of a prompt whose answer holds a media placeholder id (it could not be re-read without its media).
+MEDIA_IN_ANSWER = {"error": "answer: the target's answer contains a media placeholder token, which cannot be re-read "
+                   "without its media", "error_kind": "invalid"}
+
 log = logging.getLogger(__name__)
 
 
@@ -86,7 +90,7 @@ def generate_features(target: VLMTarget, requests: Iterable[Request], recipe: Da
         ids.append(str(i))
         ex = answer_and_featurize(target, req, recipe)
         if ex is None:
-            errors[str(i)] = {"error": "answer: contains a media placeholder token", "error_kind": "invalid"}
+            errors[str(i)] = dict(MEDIA_IN_ANSWER)
         else:
             shard.append(ex)
     if ids:

@@ -26,12 +26,12 @@ from mmspec_ray.batch.decoder import resolve_device
 from mmspec_ray.batch.rows import ERROR_COL, ERROR_KIND_COL, REQUEST_COL
 from mmspec_ray.batch.spec import DecodeConfig
 from mmspec_ray.targets import InvalidRequest, PromptTooLong, TargetError, load_target
-from mmspec_ray.training.datagen import DatagenRecipe, answer_and_featurize
+from mmspec_ray.training.datagen import MEDIA_IN_ANSWER, DatagenRecipe, answer_and_featurize
 from mmspec_ray.training.shards import FeatureExample, ShardStore
 
 log = logging.getLogger(__name__)
 
-STATUS_SCHEMA = pa.schema([("id", pa.string()), ("shard", pa.string()), ("tokens", pa.int64()),
+STATUS_SCHEMA = pa.schema([("id", pa.string()), ("shard", pa.string()),
                            ("error", pa.string()), ("error_kind", pa.string())])
 
 
@@ -89,8 +89,7 @@ class FeatureWriter:
             log.exception("row %r failed", row_id)
             return None, {"error": f"internal: {type(e).__name__}: {e}", "error_kind": "internal"}
         if ex is None:
-            return None, {"error": "answer: the target's answer contains a media placeholder token, which cannot be "
-                          "re-read without its media", "error_kind": "invalid"}
+            return None, dict(MEDIA_IN_ANSWER)
         return ex, None
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -100,22 +99,18 @@ class FeatureWriter:
         kinds = batch.column(ERROR_KIND_COL).to_pylist()
         examples: list[FeatureExample] = []
         errors: dict[str, dict[str, str]] = {}
-        tokens: list[int] = []
         for row_id, blob, err, kind in zip(ids, blobs, errs, kinds):
             if err is not None:
                 errors[row_id] = {"error": err, "error_kind": kind}
-                tokens.append(0)
                 continue
             ex, e = self.featurize(row_id, pickle.loads(blob))
             if e is not None:
                 errors[row_id] = e
-                tokens.append(0)
             else:
                 examples.append(ex)
-                tokens.append(int(ex.input_ids.shape[0] - ex.n_prompt))
         name = shard_name(ids)
         self.store.write_shard(name, examples, ids, errors)
-        return pa.table({"id": ids, "shard": [name] * len(ids), "tokens": tokens,
+        return pa.table({"id": ids, "shard": [name] * len(ids),
                          "error": [errors.get(i, {}).get("error") for i in ids],
                          "error_kind": [errors.get(i, {}).get("error_kind") for i in ids]}, schema=STATUS_SCHEMA)
 

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from mmspec_ray.batch.spec import DecodeConfig
@@ -267,7 +266,6 @@ def write_head_init(m, target, uri: str, s3) -> HeadInit:
     """The head config and LM-head weight Ray Train workers build their head from (they never load the target)."""
     from safetensors.torch import save
 
-    torch.manual_seed(0)
     head_config = m.head(target).cfg.model_dump(mode="json")
     store = ShardStore(uri, s3)
     W = target.model.get_output_embeddings().weight.detach().float().cpu().contiguous()
