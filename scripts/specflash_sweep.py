@@ -33,6 +33,8 @@ def main() -> None:
     p.add_argument("--ratios", default=",".join(RATIOS), help=f"subset of {list(RATIOS)}")
     p.add_argument("--placeholder", default=None, choices=["learned", "offset"], help="placeholder inputs")
     p.add_argument("--group", type=int, default=None, help="K, tokens drafted per forward (default 4)")
+    p.add_argument("--no-heldout", action="store_true", help="skip the per-epoch held-out τ (saves time; the "
+                   "weights are the same)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO)
@@ -43,7 +45,7 @@ def main() -> None:
     world = build_toy(a.target)
     target = load_target(world.target)
     examples = load_features(toy_features(world, target, recipe))
-    heldout = list(toy_requests(world, "validation", recipe.heldout, seed=2))
+    heldout = [] if a.no_heldout else list(toy_requests(world, "validation", recipe.heldout, seed=2))
     for label in a.ratios.split(","):
         out = Path(a.out) / f"cn-{label}"
         method = SpecFlashMethod(ratio=RATIOS[label], placeholder=a.placeholder, group=a.group)
