@@ -18,7 +18,7 @@ M = TypeVar("M", bound=BaseModel)
 SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
                   "repetition_penalty": "--repetition-penalty", "seed": "--seed"}
 TREE_FLAGS = {"top_k": "--tree-top-k", "depth": "--tree-depth", "total_tokens": "--tree-tokens"}
-TRAINED_METHODS = ("eagle2", "msd", "specflash", "hivis")  # methods `train-drafter` trains (mmspec_ray.training.methods.METHODS)
+TRAINED_METHODS = ("eagle2", "msd", "specflash", "hivis", "vispec")  # methods `train-drafter` trains (mmspec_ray.training.methods.METHODS)
 
 
 class UsageError(Exception):
@@ -132,10 +132,11 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
 
         if a.out is None:
             if (a.examples or a.epochs or a.text_examples or a.text_epochs is not None or a.direct
-                    or a.multistep_epochs is not None):
-                raise UsageError("--examples, --epochs, --text-examples, --text-epochs, --multistep-epochs and "
-                                 "--direct change the recipe: give --out too (the cached toy drafter keeps the "
-                                 "default recipe)")
+                    or a.multistep_epochs is not None or a.long_answers is not None
+                    or a.answer_temperature is not None):
+                raise UsageError("--examples, --epochs, --text-examples, --text-epochs, --multistep-epochs, "
+                                 "--direct, --long-answers / --plain-answers and --answer-temperature change the "
+                                 "recipe: give --out too (the cached toy drafter keeps the default recipe)")
             print(build_toy_drafter(a.target, a.method, force=a.force))
             return 0
         recipe = RECIPES[a.target]
@@ -143,6 +144,9 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
             recipe = recipe.model_copy(update={"examples": a.examples})
         if a.text_examples:
             recipe = recipe.model_copy(update={"text_examples": a.text_examples})
+        if a.long_answers is not None or a.answer_temperature is not None:
+            recipe = recipe.model_copy(update={"long_answers": a.long_answers,
+                                               "answer_temperature": a.answer_temperature})
         train = {k: v for k, v in (("epochs", a.epochs), ("text_epochs", a.text_epochs),
                                    ("multistep_epochs", a.multistep_epochs)) if v is not None}
         if a.direct:
@@ -284,6 +288,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "epochs; 0: stage 1 only). A stage-1 run resumed with more --epochs continues into stage 2")
     td.add_argument("--direct", action="store_true",
                     help="stage 2 all multimodal from its first epoch (default: MSD's gradual text->multimodal ramp)")
+    td.add_argument("--long-answers", dest="long_answers", action="store_const", const=True, default=None,
+                    help="toy target: train on the prompts rewritten to ask for long answers (ViSpec's stage-2 data; "
+                    "default: the method's, vispec only), answered at --answer-temperature")
+    td.add_argument("--plain-answers", dest="long_answers", action="store_const", const=False,
+                    help="toy target: train on the prompts as they are (the default except for vispec)")
     td.add_argument("--force", action="store_true", help="start over instead of resuming")
     from mmspec_ray.training.cli import add_data_args
 

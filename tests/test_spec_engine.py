@@ -16,6 +16,7 @@ from mmspec_ray.drafters.msd import MSDDrafter
 from mmspec_ray.drafters.ngram import NgramDrafter
 from mmspec_ray.drafters.oracle import OracleDrafter
 from mmspec_ray.drafters.specflash import SpecFlashDrafter
+from mmspec_ray.drafters.vispec import ViSpecDrafter
 from mmspec_ray.spec.engine import AREngine, SpecEngine
 from mmspec_ray.spec.sampling import warp
 from mmspec_ray.spec.tree import DraftTree, TreeConfig, depths
@@ -99,6 +100,7 @@ def test_greedy_spec_equals_ar_equals_hf_for_every_drafter(family_target):
             "specflash-random": SpecFlashDrafter.random(target, seed=1),  # trained: tests/test_specflash.py
             "specflash-tree-random": specflash_tree(target),
             "hivis-random": HiViSDrafter.random(target, seed=1),  # trained HiViS: tests/test_hivis.py
+            "vispec-random": ViSpecDrafter.random(target, seed=1),  # trained ViSpec: tests/test_vispec.py
             "ngram": NgramDrafter(),
             "oracle": OracleDrafter(ar.token_ids),
             **{f"perturbed-{s}": PerturbedOracle(ar.token_ids, target.vocab_size, seed=s) for s in range(3)},

@@ -56,6 +56,7 @@ def register_drafter(name: str):
 def drafter_class(name: str) -> type:
     from mmspec_ray.drafters import eagle, hivis, msd, ngram, none, oracle  # noqa: F401  (registration side effect)
     from mmspec_ray.drafters import specflash  # noqa: F401
+    from mmspec_ray.drafters import vispec  # noqa: F401
 
     if name not in _REGISTRY:
         raise ValueError(f"unknown drafter method {name!r}; choose one of {sorted(_REGISTRY)}")

@@ -123,6 +123,7 @@ class Eagle2Drafter:
         self.last: torch.Tensor | None = None  # [1, d] draft output of the newest context entry
         self.passes = 0  # decoder forwards made while proposing (one per tree level; the engine's τ per pass)
         self.prefill_tokens = 0  # entries the last `begin` ran through the head (the drafter's prefill length)
+        self.pos_offset = 0  # KV slot s has position id s + pos_offset (ViSpec: a compressed prefix keeps its ids)
 
     @classmethod
     def load(cls, path: str | Path, target: "VLMTarget", device: str | None = None) -> "Eagle2Drafter":
@@ -185,7 +186,7 @@ class Eagle2Drafter:
                 new[i, n_prev + i] = True
             anc = torch.cat([torch.nn.functional.pad(anc, (0, k)), new], 0)
             mask = torch.cat([torch.ones((k, S), dtype=torch.bool, device=dev), new], 1)
-            pos = torch.tensor([[S - 1 + lv for lv in levels]], device=dev)
+            pos = torch.tensor([[S - 1 + lv + self.pos_offset for lv in levels]], device=dev)
             out = self.head(self._embed(tokens.tolist())[None], feats[None], pos, mask[None, None], self.kv,
                             S + n_prev,  # scratch slots after the context; overwritten by the next cycle
                             step=torch.tensor([levels], device=dev))  # a level-j node's feature is a j-th guess
@@ -221,7 +222,7 @@ class Eagle2Drafter:
         self._reserve(S + T)
         mask = torch.ones((T, S + T), dtype=torch.bool, device=dev)
         mask[:, S:] = torch.ones((T, T), dtype=torch.bool, device=dev).tril()
-        pos = torch.arange(S, S + T, device=dev)[None]
+        pos = torch.arange(S, S + T, device=dev)[None] + self.pos_offset
         out = self.head(embeds[None], feats[None], pos, mask[None, None], self.kv, S,
                         None if visual is None else visual[None].to(dev))
         self.ctx_len = S + T

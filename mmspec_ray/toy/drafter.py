@@ -14,9 +14,9 @@ from pydantic import BaseModel
 
 from mmspec_ray.targets.registry import load_target
 from mmspec_ray.toy.build import ToyWorld, build_toy
-from mmspec_ray.toy.prompts import toy_requests, toy_text_requests
+from mmspec_ray.toy.prompts import toy_long_requests, toy_requests, toy_text_requests
 from mmspec_ray.training.datagen import DatagenRecipe, generate_features, load_features
-from mmspec_ray.training.methods import training_method
+from mmspec_ray.training.methods import TrainingMethod, training_method
 from mmspec_ray.training.trainer import TrainConfig, stage_schedule, train_drafter
 
 log = logging.getLogger(__name__)
@@ -29,6 +29,10 @@ class ToyDrafterRecipe(BaseModel):
     text_examples: int | None = None  # text-only prompts for a two-stage method's stage 1 (None: `examples`)
     heldout: int = 12
     max_new_tokens: int = 200
+    # ViSpec's stage-2 data: the same prompts rewritten to ask for long answers (`prompts.at_length`), answered at
+    # `answer_temperature`. None: the method's default (`TrainingMethod.long_answers` / `.answer_temperature`)
+    long_answers: bool | None = None
+    answer_temperature: float | None = None
     train: TrainConfig = TrainConfig(epochs=8, batch_size=16, lr=2e-3)
 
 
@@ -41,21 +45,30 @@ def drafter_dir(world: ToyWorld, method: str) -> Path:
 
 
 def toy_features(world: ToyWorld, target, recipe: ToyDrafterRecipe, text: bool = False) -> Path:
-    """The world's target-answered features: multimodal train prompts, or the text-only corpus (`text`)."""
+    """The world's target-answered features: multimodal train prompts, the text-only corpus (`text`), or the
+    multimodal prompts rewritten to ask for long answers (`recipe.long_answers`, sampled at its temperature; a
+    directory of its own, named by both)."""
     n = (recipe.text_examples or recipe.examples) if text else recipe.examples
-    kind = "text" if text else "multimodal"
+    long = bool(recipe.long_answers) and not text
+    temp = float(recipe.answer_temperature or 0.0) if long else 0.0
+    kind = "text" if text else f"long-T{temp:g}" if long else "multimodal"
     out = world.root / "drafter-data" / f"{kind}-n{n}-t{recipe.max_new_tokens}"
     if (out / "manifest.json").exists() or (out / "index.json").exists():
         return out
-    reqs = toy_text_requests(world, "train", n, seed=1) if text else toy_requests(world, "train", n, seed=1)
-    return generate_features(target, reqs, DatagenRecipe(max_new_tokens=recipe.max_new_tokens), out, total=n)
+    reqs = (toy_text_requests(world, "train", n, seed=1) if text else
+            toy_long_requests(world, "train", n, seed=1) if long else toy_requests(world, "train", n, seed=1))
+    return generate_features(target, reqs, DatagenRecipe(max_new_tokens=recipe.max_new_tokens, temperature=temp),
+                             out, total=n)
 
 
-def train_drafter_on_world(world: ToyWorld, out: Path, method: str, recipe: ToyDrafterRecipe,
+def train_drafter_on_world(world: ToyWorld, out: Path, method: "str | TrainingMethod", recipe: ToyDrafterRecipe,
                            resume: bool = True) -> Path:
     """Datagen on the world's train split (the target answers; the text-only corpus too when the method's
     schedule has a text stage), then training with held-out τ on validation."""
-    m = training_method(method)
+    m = training_method(method) if isinstance(method, str) else method
+    recipe = recipe.model_copy(update={
+        "long_answers": m.long_answers if recipe.long_answers is None else recipe.long_answers,
+        "answer_temperature": m.answer_temperature if recipe.answer_temperature is None else recipe.answer_temperature})
     target = load_target(world.target)
     mm = load_features(toy_features(world, target, recipe))
     text = (load_features(toy_features(world, target, recipe, text=True))

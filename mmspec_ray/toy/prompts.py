@@ -77,3 +77,22 @@ def toy_text_requests(world: ToyWorld, split: str, limit: int | None = None, see
     """Text-only requests (no media) of `toy_text_rows`."""
     for row in toy_text_rows(world, split, limit, seed):
         yield Request(prompt=row["prompt"])
+
+
+def at_length(row: dict) -> dict:
+    """ViSpec's "answer at length" rewrite in the toy world: the row's prompt replaced by its media's detailed-
+    description prompt (the toy target's in-distribution way to ask for a long answer; the paper's appended
+    "Please answer with at least 1000 words." is out of its vocabulary and shortens or garbles its answers)."""
+    import zlib
+
+    from mmspec_ray.toy.text import DETAIL_PROMPTS, VIDEO_DETAIL_PROMPTS
+
+    prompts = DETAIL_PROMPTS if row["media_type"] == "image" else VIDEO_DETAIL_PROMPTS
+    pick = zlib.crc32(str(row["id"]).encode()) % len(prompts)  # stable per row, whatever the process
+    return {**row, "prompt": prompts[pick]}
+
+
+def toy_long_requests(world: ToyWorld, split: str, limit: int | None = None, seed: int = 0) -> Iterator[Request]:
+    """The same media as `toy_requests(world, split, limit, seed)`, each prompt rewritten by `at_length`."""
+    for row in toy_rows(world, split, limit, seed):
+        yield row_request(world, at_length(row))

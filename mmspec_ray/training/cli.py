@@ -58,7 +58,9 @@ def job_from_args(a: argparse.Namespace, target: str) -> "TrainJob":
         raise ValueError("--out is required with --data: the drafter checkpoint directory or s3:// prefix")
     toy_only = [f for f, v in (("--examples", getattr(a, "examples", None)),
                                ("--text-examples", getattr(a, "text_examples", None)),
-                               ("--force", getattr(a, "force", False))) if v]
+                               ("--force", getattr(a, "force", False)),
+                               ("--long-answers / --plain-answers", getattr(a, "long_answers", None) is not None))
+                if v]
     if toy_only:
         raise ValueError(f"{', '.join(toy_only)}: toy-world options; with --data the rows are the data (use --limit) "
                          "and a re-run resumes (give a new --work and --out to start over)")

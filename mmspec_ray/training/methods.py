@@ -20,9 +20,11 @@ from mmspec_ray.drafters.eagle import Eagle2Drafter, Eagle2Head
 from mmspec_ray.drafters.hivis import HiViSDrafter, HiViSHead
 from mmspec_ray.drafters.msd import MSDDrafter, MSDHead
 from mmspec_ray.drafters.specflash import SpecFlashDrafter, SpecFlashHead
+from mmspec_ray.drafters.vispec import ViSpecDrafter, ViSpecHead, entry_spans
 from mmspec_ray.training.shards import FeatureExample
 from mmspec_ray.training.losses import eagle_loss
 from mmspec_ray.training.specflash import expand_example, specflash_loss
+from mmspec_ray.training.vispec import vispec_loss
 
 if TYPE_CHECKING:
     from mmspec_ray.drafters.base import Drafter
@@ -73,6 +75,8 @@ class TrainingMethod:
     name: ClassVar[str] = "eagle2"
     needs: ClassVar[tuple[str, ...]] = ("hidden", "embeds")  # FeatureExample fields the examples must carry
     answer_temperature: ClassVar[float] = 0.0  # how the target answers training prompts (0: greedy, the default)
+    long_answers: ClassVar[bool] = False  # toy world: train on the prompts rewritten to ask for long answers (ViSpec)
+    direct_stage2: ClassVar[bool] = False  # a two-stage run enters stage 2 at once, whatever TrainConfig.gradual
     reads_target: ClassVar[bool] = False  # needs the target while training (data selection, collate): not on Ray Train
     head_class: ClassVar[type[Eagle2Head]] = Eagle2Head
     drafter_class: ClassVar[type[Eagle2Drafter]] = Eagle2Drafter
@@ -168,6 +172,52 @@ class SpecFlashMethod(TrainingMethod):
     def loss(self, head: nn.Module, batch: dict, lm_head_weight: torch.Tensor,
              p_weight: float) -> tuple[torch.Tensor, dict[str, float]]:
         return specflash_loss(head, batch["items"], lm_head_weight, p_weight)
+
+
+class ViSpecMethod(TrainingMethod):
+    """ViSpec: stage 1 text-only EAGLE pre-training (the first `default_text_epochs`), then stage 2 on the target's
+    long, sampled answers (`long_answers`, `answer_temperature`) entered at once, with the vision adaptor, the
+    global feature and `mtp_steps` multi-token-prediction passes (training/vispec.py). Options override the head
+    config (n_c) and the MTP depth, for ablations."""
+
+    name = "vispec"
+    needs = ("hidden", "embeds", "media")
+    reads_target = True  # collate cuts media runs into images / frames with the target's `media_pieces`
+    head_class = ViSpecHead
+    drafter_class = ViSpecDrafter
+    answer_temperature = 1.0  # spec §9.2: the paper's anti-shortcut argument needs sampled answers
+    long_answers = True
+    direct_stage2 = True
+    mtp_default: ClassVar[int] = 1  # spec §9.9: the README's --mtp-steps=1 (two passes)
+
+    def __init__(self, compressed: int | None = None, mtp_steps: int | None = None) -> None:
+        self.options = {} if compressed is None else {"compressed": compressed}
+        self.mtp_steps = self.mtp_default if mtp_steps is None else mtp_steps
+        self.target: "VLMTarget | None" = None
+        self.stage2 = True  # set per epoch; no MTP in stage 1
+
+    def head(self, target: "VLMTarget") -> nn.Module:
+        self.target = target
+        return self.head_class(self.head_class.config_class.for_target(target).model_copy(update=self.options))
+
+    def default_text_epochs(self, epochs: int) -> int:
+        return epochs // 3
+
+    def begin_epoch(self, head: nn.Module, epoch: int, cfg: "TrainConfig") -> None:
+        from mmspec_ray.training.trainer import stage_schedule
+
+        self.stage2 = epoch > stage_schedule(self, cfg).text_epochs
+
+    def collate(self, examples, idx, noise, gen):
+        """EAGLE's collate plus each example's media entry spans (one per image / frame)."""
+        if self.target is None:
+            raise RuntimeError("vispec collate before head(target): the media pieces need the target")
+        batch = eagle_collate(examples, idx, noise, gen)
+        batch["spans"] = [entry_spans(self.target.media_pieces(examples[i].input_ids)) for i in idx]
+        return batch
+
+    def loss(self, head, batch, lm_head_weight, p_weight):
+        return vispec_loss(head, batch, lm_head_weight, p_weight, self.mtp_steps if self.stage2 else 0)
 
 
 def text_only(ex: FeatureExample) -> FeatureExample:
@@ -336,6 +386,7 @@ def chain_alive(hits: list[torch.Tensor]) -> list[torch.Tensor]:
 
 METHODS: dict[str, type[TrainingMethod]] = {m.name: m for m in (TrainingMethod, MSDMethod, HiViSMethod)}
 METHODS[SpecFlashMethod.name] = SpecFlashMethod
+METHODS[ViSpecMethod.name] = ViSpecMethod
 
 
 def training_method(name: str) -> TrainingMethod:

@@ -54,7 +54,8 @@ class TrainConfig(BaseModel):
 
 def stage_schedule(method: TrainingMethod, cfg: TrainConfig) -> StageSchedule:
     text = method.default_text_epochs(cfg.epochs) if cfg.text_epochs is None else cfg.text_epochs
-    return StageSchedule(epochs=cfg.epochs, text_epochs=text, gradual=cfg.gradual, mixed=method.mixes_text)
+    return StageSchedule(epochs=cfg.epochs, text_epochs=text, gradual=cfg.gradual and not method.direct_stage2,
+                         mixed=method.mixes_text)
 
 
 @torch.inference_mode()
