@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mmspec_ray.config import SamplingParams
+from mmspec_ray.drafters.dream import DreamDrafter
 from mmspec_ray.drafters.eagle import Eagle2Drafter
 from mmspec_ray.drafters.hivis import HiViSDrafter
 from mmspec_ray.drafters.msd import MSDDrafter
@@ -72,6 +73,13 @@ def specflash_tree(target) -> SpecFlashDrafter:
     return d
 
 
+def dream_keeping(target, share: float) -> DreamDrafter:
+    """An untrained DREAM drafter whose draft stream keeps `share` of the visual tokens."""
+    d = DreamDrafter.random(target, seed=2)
+    d.head.cfg = d.head.cfg.model_copy(update={"vtc_keep": share})
+    return d
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family_target(request):
     torch.manual_seed(0)
@@ -100,6 +108,8 @@ def test_greedy_spec_equals_ar_equals_hf_for_every_drafter(family_target):
             "specflash-random": SpecFlashDrafter.random(target, seed=1),  # trained: tests/test_specflash.py
             "specflash-tree-random": specflash_tree(target),
             "hivis-random": HiViSDrafter.random(target, seed=1),  # trained HiViS: tests/test_hivis.py
+            "dream-random": DreamDrafter.random(target, seed=1),  # VTC 75 %; trained DREAM: tests/test_dream.py
+            "dream-vtc25-random": dream_keeping(target, 0.25),
             "vispec-random": ViSpecDrafter.random(target, seed=1),  # trained ViSpec: tests/test_vispec.py
             "ngram": NgramDrafter(),
             "oracle": OracleDrafter(ar.token_ids),

@@ -8,6 +8,10 @@ Optional attribute `prefill_logits: int` (default 1): how many of the last promp
 needs from the prefill (0: all of them). The target computes no others, since [L, V] logits of a long prompt cost
 gigabytes.
 
+Optional attribute `prefill_attention: bool` (default False): the drafter reads the target's last-layer attention
+received per prompt position (`TargetOutput.attention_received`, DREAM's visual token compression); the engine asks
+the target's prefill for it.
+
 Optional attribute `prefill_tokens: int` (default 0), set by `begin`: how many entries the drafter's own prefill
 read (EAGLE-2: the whole prompt, media included; HiViS: its text only). The engine reports it per request.
 """
@@ -56,6 +60,7 @@ def register_drafter(name: str):
 def drafter_class(name: str) -> type:
     from mmspec_ray.drafters import eagle, hivis, msd, ngram, none, oracle  # noqa: F401  (registration side effect)
     from mmspec_ray.drafters import specflash  # noqa: F401
+    from mmspec_ray.drafters import dream  # noqa: F401
     from mmspec_ray.drafters import vispec  # noqa: F401
 
     if name not in _REGISTRY:

@@ -67,7 +67,8 @@ class SpecEngine:
         tracker = OutputTracker(t.tokenizer, t.eos_token_ids, max_new_tokens, stop)
         history = HistoryProcessors(gc, sampling, t.eos_token_ids, inputs["input_ids"])  # penalties etc., per node
         stats = GenerationStats(prompt_tokens=n_prompt)
-        out = t.prefill(inputs, logits_to_keep=getattr(d, "prefill_logits", 1))
+        out = t.prefill(inputs, logits_to_keep=getattr(d, "prefill_logits", 1),
+                        attention=bool(getattr(d, "prefill_attention", False)))
         root = pick(history.next_logits(out.logits[0, -1]), sampling, gen)
         stats.prefill_s = time.perf_counter() - t0
         done = tracker.add([root])

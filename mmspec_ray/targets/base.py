@@ -90,6 +90,12 @@ class TargetOutput:
     # [1, n] long prefill only: which image or video frame (0, 1, ... in prompt order) each media position belongs to,
     # -1 at text positions (`VLMTarget.media_pieces`; drafters that treat each image / frame apart read it)
     media_segments: torch.Tensor | None = None
+    # [1, n] float prefill only, when asked (`prefill(attention=True)`): the attention each position receives in the
+    # last decoder layer, averaged over heads and over the text query rows (DREAM's visual token compression)
+    attention_received: torch.Tensor | None = None
+    # {layer index: [1, n]} prefill only, when asked (`prefill(entropy_layers=...)`): each query row's attention
+    # entropy in that decoder layer, averaged over heads (DREAM's intermediate-layer selection)
+    attention_entropy: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class VLMTarget:
@@ -232,25 +238,43 @@ class VLMTarget:
         """Hook: validate a prefill's raw model output (e.g. that lm_head(hidden) reproduces its logits)."""
 
     @torch.inference_mode()
-    def prefill(self, inputs: dict[str, Any], logits_to_keep: int = 1) -> TargetOutput:
+    def prefill(self, inputs: dict[str, Any], logits_to_keep: int = 1, attention: bool = False,
+                entropy_layers: tuple[int, ...] = ()) -> TargetOutput:
         """Run the prompt (with media) and start a fresh KV cache. Logits are computed for the last
-        `logits_to_keep` positions only (0: every position, [1, L, V]: 1.8 GB at 3k tokens x 152k vocab)."""
+        `logits_to_keep` positions only (0: every position, [1, L, V]: 1.8 GB at 3k tokens x 152k vocab).
+        `attention`: also the last layer's attention received per position from the text rows
+        (`attention_received`); `entropy_layers`: also those decoder layers' per-row attention entropy, with their
+        output hidden states in `layers` (index l + 1). Both read the layers' own q/k (targets/attention.py); the
+        forward itself is unchanged."""
+        from mmspec_ray.targets.attention import probe_attention, reduce_attention
+
         self.cache = self.new_cache()
         ids = inputs["input_ids"]
-        out = self.model(**inputs, past_key_values=self.cache, use_cache=True, output_hidden_states=True,
-                         logits_to_keep=logits_to_keep)
+        last = int(getattr(self.text_config, "num_hidden_layers", 1)) - 1
+        with probe_attention(self.model, ([last] if attention else []) + list(entropy_layers)) as probed:
+            out = self.model(**inputs, past_key_values=self.cache, use_cache=True, output_hidden_states=True,
+                             logits_to_keep=logits_to_keep)
         self.seq_len = ids.shape[1]
         self.next_pos = self.after_prefill_position(inputs)
         self.check_prefill(out)
         media = self.media_mask_of(ids)
+        received, entropy = None, {}
+        if attention:
+            text = (~media[0]).float()
+            received = reduce_attention(probed[last], text / text.sum().clamp_min(1.0))[0][None]
+        for i in entropy_layers:
+            entropy[i] = reduce_attention(probed[i])[1][None]
+        wanted = set(self.feature_layers) | {i + 1 for i in entropy_layers}
         return TargetOutput(
             logits=out.logits.float(),
             hidden=out.hidden_states[-1],
-            layers={i: out.hidden_states[i] for i in self.feature_layers},
+            layers={i: out.hidden_states[i] for i in sorted(wanted)},
             input_ids=ids,
             inputs_embeds=out.hidden_states[0],
             media_mask=media,
             media_segments=segment_ids(ids.shape[1], self.media_pieces(ids[0], inputs), ids.device),
+            attention_received=received,
+            attention_entropy=entropy,
         )
 
     def after_prefill_position(self, inputs: dict[str, Any]) -> int:

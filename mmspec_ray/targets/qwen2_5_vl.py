@@ -50,11 +50,11 @@ class Qwen25VLTarget(VLMTarget):
                               f"{MAX_ASPECT_RATIO}:1; crop or pad it")
 
     @torch.inference_mode()
-    def prefill(self, inputs: dict[str, Any], logits_to_keep: int = 1) -> TargetOutput:
+    def prefill(self, inputs: dict[str, Any], logits_to_keep: int = 1, **probes: Any) -> TargetOutput:
         """Clear the model's cached rope_deltas first: a text-only prompt leaves the attribute untouched, so a
         stale value from an earlier media request (or an HF `generate`) would otherwise be read back."""
         self._mrope_model().rope_deltas = None
-        return super().prefill(inputs, logits_to_keep)
+        return super().prefill(inputs, logits_to_keep, **probes)
 
     def media_pieces(self, ids: torch.Tensor, inputs: dict[str, Any] | None = None) -> list[tuple[int, int]]:
         """A clip is one run of video tokens: `video_grid_thw` t temporal groups (two frames each) of h x w / 4

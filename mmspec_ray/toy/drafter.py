@@ -44,21 +44,22 @@ def drafter_dir(world: ToyWorld, method: str) -> Path:
     return world.root / "drafters" / method
 
 
-def toy_features(world: ToyWorld, target, recipe: ToyDrafterRecipe, text: bool = False) -> Path:
+def toy_features(world: ToyWorld, target, recipe: ToyDrafterRecipe, text: bool = False, mid: bool = False) -> Path:
     """The world's target-answered features: multimodal train prompts, the text-only corpus (`text`), or the
     multimodal prompts rewritten to ask for long answers (`recipe.long_answers`, sampled at its temperature; a
-    directory of its own, named by both)."""
+    directory of its own, named by both). `mid`: the examples also carry DREAM's entropy-selected intermediate
+    features (a directory of its own, suffix -mid; same prompts, same greedy answers)."""
     n = (recipe.text_examples or recipe.examples) if text else recipe.examples
     long = bool(recipe.long_answers) and not text
     temp = float(recipe.answer_temperature or 0.0) if long else 0.0
     kind = "text" if text else f"long-T{temp:g}" if long else "multimodal"
-    out = world.root / "drafter-data" / f"{kind}-n{n}-t{recipe.max_new_tokens}"
+    out = world.root / "drafter-data" / f"{kind}-n{n}-t{recipe.max_new_tokens}{'-mid' if mid else ''}"
     if (out / "manifest.json").exists() or (out / "index.json").exists():
         return out
     reqs = (toy_text_requests(world, "train", n, seed=1) if text else
             toy_long_requests(world, "train", n, seed=1) if long else toy_requests(world, "train", n, seed=1))
-    return generate_features(target, reqs, DatagenRecipe(max_new_tokens=recipe.max_new_tokens, temperature=temp),
-                             out, total=n)
+    return generate_features(target, reqs, DatagenRecipe(max_new_tokens=recipe.max_new_tokens, temperature=temp,
+                                                         mid_features=mid), out, total=n)
 
 
 def train_drafter_on_world(world: ToyWorld, out: Path, method: "str | TrainingMethod", recipe: ToyDrafterRecipe,
@@ -70,8 +71,9 @@ def train_drafter_on_world(world: ToyWorld, out: Path, method: "str | TrainingMe
         "long_answers": m.long_answers if recipe.long_answers is None else recipe.long_answers,
         "answer_temperature": m.answer_temperature if recipe.answer_temperature is None else recipe.answer_temperature})
     target = load_target(world.target)
-    mm = load_features(toy_features(world, target, recipe))
-    text = (load_features(toy_features(world, target, recipe, text=True))
+    mid = "mid" in m.needs
+    mm = load_features(toy_features(world, target, recipe, mid=mid))
+    text = (load_features(toy_features(world, target, recipe, text=True, mid=mid))
             if stage_schedule(m, recipe.train).uses_text else [])
     heldout = list(toy_requests(world, "validation", recipe.heldout, seed=2))
     train_drafter(m, target, mm, out, recipe.train, heldout=heldout, resume=resume, text_examples=text)

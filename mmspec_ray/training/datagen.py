@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from mmspec_ray.config import SamplingParams
 from mmspec_ray.spec.engine import AREngine
 from mmspec_ray.targets.base import Request, VLMTarget
+from mmspec_ray.training.dream import entropy_candidates, intermediate_features
 from mmspec_ray.training.shards import FeatureExample, ShardStore
 
 __all__ = ["DatagenRecipe", "FeatureExample", "answer_and_featurize", "generate_features", "load_features"]
@@ -37,6 +38,7 @@ class DatagenRecipe(BaseModel):
     top_p: float = 1.0
     seed: int = 0
     dtype: str = "float16"  # storage dtype of features
+    mid_features: bool = False  # DREAM: also each position's entropy-selected intermediate feature (`mid`)
 
 
 def extend_inputs(inputs: dict, extra: list[int]) -> dict:
@@ -62,10 +64,15 @@ def answer_and_featurize(target: VLMTarget, request: Request, recipe: DatagenRec
         return None
     inputs = target.encode(request)
     n_prompt = inputs["input_ids"].shape[1]
-    out = target.prefill(extend_inputs(inputs, gen.token_ids))
+    layers = entropy_candidates(int(target.text_config.num_hidden_layers)) if recipe.mid_features else ()
+    out = target.prefill(extend_inputs(inputs, gen.token_ids), entropy_layers=layers)
     dt = getattr(torch, recipe.dtype)
+    mid = None
+    if layers:
+        mid = intermediate_features({i: e[0] for i, e in out.attention_entropy.items()},
+                                    {i: out.layers[i + 1][0] for i in layers})[0].to(dt).cpu()
     return FeatureExample(out.input_ids[0].cpu(), out.hidden[0].to(dt).cpu(), out.inputs_embeds[0].to(dt).cpu(),
-                          n_prompt, out.media_mask[0].cpu())
+                          n_prompt, out.media_mask[0].cpu(), mid)
 
 
 def generate_features(target: VLMTarget, requests: Iterable[Request], recipe: DatagenRecipe, out_dir: str | Path,

@@ -16,11 +16,13 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
+from mmspec_ray.drafters.dream import DreamDrafter, DreamHead
 from mmspec_ray.drafters.eagle import Eagle2Drafter, Eagle2Head
 from mmspec_ray.drafters.hivis import HiViSDrafter, HiViSHead
 from mmspec_ray.drafters.msd import MSDDrafter, MSDHead
 from mmspec_ray.drafters.specflash import SpecFlashDrafter, SpecFlashHead
 from mmspec_ray.drafters.vispec import ViSpecDrafter, ViSpecHead, entry_spans
+from mmspec_ray.training.dream import dream_collate, dream_loss
 from mmspec_ray.training.shards import FeatureExample
 from mmspec_ray.training.losses import eagle_loss
 from mmspec_ray.training.specflash import expand_example, specflash_loss
@@ -220,6 +222,35 @@ class ViSpecMethod(TrainingMethod):
         return vispec_loss(head, batch, lm_head_weight, p_weight, self.mtp_steps if self.stage2 else 0)
 
 
+class DreamMethod(TrainingMethod):
+    """DREAM: the three-block cross-attention drafter (`DreamHead`) in one multimodal stage, on examples that carry
+    each position's entropy-selected intermediate target feature (`mid`, made at feature generation). Loss weights
+    (feature, intermediate, KL) default to the paper's (0.2, 0.2, 1.0); `w_mid` 0 is the no-intermediate-distillation
+    ablation (no `mid` needed then). `vtc_keep` / `intermed_tap` override the head config."""
+
+    name = "dream"
+    needs = ("hidden", "embeds", "media", "mid")
+    head_class = DreamHead
+    drafter_class = DreamDrafter
+
+    def __init__(self, w_feat: float = 0.2, w_mid: float = 0.2, w_kl: float = 1.0, vtc_keep: float | None = None,
+                 intermed_tap: str | None = None) -> None:
+        self.weights = (w_feat, w_mid, w_kl)
+        if not w_mid:
+            self.needs = ("hidden", "embeds", "media")
+        self.options = {k: v for k, v in (("vtc_keep", vtc_keep), ("intermed_tap", intermed_tap)) if v is not None}
+
+    def head(self, target: "VLMTarget") -> nn.Module:
+        return self.head_class(self.head_class.config_class.for_target(target).model_copy(update=self.options))
+
+    def collate(self, examples, idx, noise, gen):
+        return dream_collate(examples, idx, noise, gen)
+
+    def loss(self, head, batch, lm_head_weight, p_weight):
+        """The trainer's p_weight is EAGLE's; DREAM weighs its three terms itself."""
+        return dream_loss(head, batch, lm_head_weight, *self.weights)
+
+
 def text_only(ex: FeatureExample) -> FeatureExample:
     """The example with its media positions dropped (HiViS stores no visual tokens): ids, features and embeddings
     at the text positions, in order, and the prompt length less its media tokens (media only sit in prompts)."""
@@ -386,6 +417,7 @@ def chain_alive(hits: list[torch.Tensor]) -> list[torch.Tensor]:
 
 METHODS: dict[str, type[TrainingMethod]] = {m.name: m for m in (TrainingMethod, MSDMethod, HiViSMethod)}
 METHODS[SpecFlashMethod.name] = SpecFlashMethod
+METHODS[DreamMethod.name] = DreamMethod
 METHODS[ViSpecMethod.name] = ViSpecMethod
 
 

@@ -37,6 +37,7 @@ class FeatureExample:
     embeds: torch.Tensor  # [L, d] input embeddings with media features merged
     n_prompt: int  # leading prompt positions (no loss on predicting them)
     media: torch.Tensor | None = None  # [L] bool: image/video token positions (None: features stored before it was)
+    mid: torch.Tensor | None = None  # [L, d] DREAM: per position, its lowest-attention-entropy layer's output
 
     @property
     def multimodal(self) -> bool:
@@ -66,6 +67,8 @@ def shard_bytes(examples: list[FeatureExample], ids: list[str] | None = None,
         tensors[f"{j}.n_prompt"] = torch.tensor([ex.n_prompt])
         if ex.media is not None:
             tensors[f"{j}.media"] = ex.media.to(torch.uint8).contiguous()
+        if ex.mid is not None:
+            tensors[f"{j}.mid"] = ex.mid.contiguous()
     meta = {"ids": json.dumps(list(ids or [])), "errors": json.dumps(errors or {}), "examples": str(len(examples)),
             "multimodal": str(sum(ex.multimodal for ex in examples))}
     return st_save(tensors, metadata=meta)
@@ -75,7 +78,8 @@ def examples_from_bytes(data: bytes) -> list[FeatureExample]:
     t = st_load(data)
     n = len({k.split(".")[0] for k in t})
     return [FeatureExample(t[f"{j}.input_ids"], t[f"{j}.hidden"], t[f"{j}.embeds"], int(t[f"{j}.n_prompt"][0]),
-                           t[f"{j}.media"].bool() if f"{j}.media" in t else None) for j in range(n)]
+                           t[f"{j}.media"].bool() if f"{j}.media" in t else None, t.get(f"{j}.mid"))
+            for j in range(n)]
 
 
 class ShardStore:
