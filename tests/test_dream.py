@@ -16,7 +16,7 @@ from mmspec_ray.spec.engine import AREngine, SpecEngine
 from mmspec_ray.spec.tree import TreeConfig
 from mmspec_ray.targets import Request, wrap
 from mmspec_ray.targets.attention import LayerAttention, reduce_attention
-from mmspec_ray.training.datagen import DatagenRecipe, generate_features, load_features
+from mmspec_ray.training.datagen import DatagenRecipe, generate_features, load_features, refeaturize
 from mmspec_ray.training.dream import entropy_candidates, intermediate_features, select_layers
 from mmspec_ray.training.methods import training_method
 from mmspec_ray.training.trainer import TrainConfig, train_drafter
@@ -152,6 +152,12 @@ def test_features_carry_the_selected_intermediate_layer_output(tmp_path):
     with torch.inference_mode():
         hs = target.model(**inputs, output_hidden_states=True).hidden_states
     torch.testing.assert_close(ex.mid.float(), hs[2][0].float(), atol=2e-3, rtol=2e-3)  # only candidate: layer 1
+    plain = _features(target, [req], tmp_path / "p", n_tokens=6, mid=False)[0]
+    again = load_features(refeaturize(target, [req], tmp_path / "p", DatagenRecipe(mid_features=True), tmp_path / "r"))
+    assert torch.equal(again[0].input_ids, plain.input_ids) and torch.equal(again[0].mid, ex.mid)
+    other = Request(prompt="what is there", images=req.images)
+    with pytest.raises(ValueError, match="prompt ids differ"):
+        refeaturize(target, [other], tmp_path / "p", DatagenRecipe(mid_features=True), tmp_path / "x")
     with pytest.raises(ValueError, match=r"dream training needs \['mid'\]"):
         train_drafter("dream", target, _features(target, [req], tmp_path / "g", 4, mid=False), tmp_path / "d",
                       TrainConfig(epochs=1))

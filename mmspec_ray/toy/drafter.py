@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from mmspec_ray.targets.registry import load_target
 from mmspec_ray.toy.build import ToyWorld, build_toy
 from mmspec_ray.toy.prompts import toy_long_requests, toy_requests, toy_text_requests
-from mmspec_ray.training.datagen import DatagenRecipe, generate_features, load_features
+from mmspec_ray.training.datagen import DatagenRecipe, generate_features, load_features, refeaturize
 from mmspec_ray.training.methods import TrainingMethod, training_method
 from mmspec_ray.training.trainer import TrainConfig, stage_schedule, train_drafter
 
@@ -58,6 +58,10 @@ def toy_features(world: ToyWorld, target, recipe: ToyDrafterRecipe, text: bool =
         return out
     reqs = (toy_text_requests(world, "train", n, seed=1) if text else
             toy_long_requests(world, "train", n, seed=1) if long else toy_requests(world, "train", n, seed=1))
+    plain = out.with_name(out.name.removesuffix("-mid"))
+    if mid and (plain / "manifest.json").exists():  # the same prompts answered already: reuse the answers
+        return refeaturize(target, list(reqs), plain, DatagenRecipe(max_new_tokens=recipe.max_new_tokens,
+                                                                    temperature=temp, mid_features=True), out)
     return generate_features(target, reqs, DatagenRecipe(max_new_tokens=recipe.max_new_tokens, temperature=temp,
                                                          mid_features=mid), out, total=n)
 

@@ -21,7 +21,8 @@ from mmspec_ray.targets.base import Request, VLMTarget
 from mmspec_ray.training.dream import entropy_candidates, intermediate_features
 from mmspec_ray.training.shards import FeatureExample, ShardStore
 
-__all__ = ["DatagenRecipe", "FeatureExample", "answer_and_featurize", "generate_features", "load_features"]
+__all__ = ["DatagenRecipe", "FeatureExample", "answer_and_featurize", "featurize", "generate_features", "load_features",
+           "refeaturize"]
 
 # The error of a prompt whose answer holds a media placeholder id (it could not be re-read without its media).
 MEDIA_IN_ANSWER = {"error": "answer: the target's answer contains a media placeholder token, which cannot be re-read "
@@ -62,10 +63,16 @@ def answer_and_featurize(target: VLMTarget, request: Request, recipe: DatagenRec
     gen = AREngine(target).generate(request, sampling, max_new_tokens=recipe.max_new_tokens)
     if target.media_token_ids & set(gen.token_ids):
         return None
+    return featurize(target, request, gen.token_ids, recipe)
+
+
+@torch.inference_mode()
+def featurize(target: VLMTarget, request: Request, answer: list[int], recipe: DatagenRecipe) -> FeatureExample:
+    """One teacher-forced target forward over the prompt + `answer` (the target's own answer): the example."""
     inputs = target.encode(request)
     n_prompt = inputs["input_ids"].shape[1]
     layers = entropy_candidates(int(target.text_config.num_hidden_layers)) if recipe.mid_features else ()
-    out = target.prefill(extend_inputs(inputs, gen.token_ids), entropy_layers=layers)
+    out = target.prefill(extend_inputs(inputs, list(answer)), entropy_layers=layers)
     dt = getattr(torch, recipe.dtype)
     mid = None
     if layers:
@@ -106,6 +113,27 @@ def generate_features(target: VLMTarget, requests: Iterable[Request], recipe: Da
     if manifest["errors"]:
         log.warning("%d prompts gave no example (answers containing media placeholder tokens)",
                     len(manifest["errors"]))
+    return Path(out_dir)
+
+
+def refeaturize(target: VLMTarget, requests: list[Request], source: str | Path, recipe: DatagenRecipe,
+                out_dir: str | Path) -> Path:
+    """The examples of `source` (generated from these `requests`, rows by position) featurized again with
+    `recipe`'s feature set, reusing their stored answers: one forward per example instead of answering again (the
+    answers are the target's own either way). The prompt ids must match, else the sources differ: refused."""
+    src = ShardStore(str(source))
+    store = ShardStore(str(out_dir))
+    for name in src.manifest()["shards"]:
+        info = src.shard_info(name)
+        rows = [r for r in info.ids if r not in info.errors]
+        examples = []
+        for row, ex in zip(rows, tqdm(src.load_shard(name), desc=f"refeaturize {name}", unit="example")):
+            new = featurize(target, requests[int(row)], ex.input_ids[ex.n_prompt:].tolist(), recipe)
+            if not torch.equal(new.input_ids, ex.input_ids):
+                raise ValueError(f"{source}: row {row} was not made from this request (prompt ids differ)")
+            examples.append(new)
+        store.write_shard(name, examples, info.ids, info.errors)
+    store.write_manifest({"recipe": recipe.model_dump(), "writer": "in-process", "answers_from": str(source)})
     return Path(out_dir)
 
 
