@@ -31,13 +31,16 @@ def vtc_variants(drafter: Path, out_root: Path) -> list[Path]:
     return outs
 
 
-def train_without_mid(target: str, examples: int, out: Path) -> Path:
-    """DREAM trained with w_mid = 0 (no intermediate distillation), the toy recipe otherwise."""
+def train_without_mid(target: str, examples: int, out: Path, heldout: int | None = None) -> Path:
+    """DREAM trained with w_mid = 0 (no intermediate distillation), the toy recipe otherwise (`heldout` 0: no
+    held-out τ after each epoch, which saves its decoding time)."""
     from mmspec_ray.toy.build import build_toy
     from mmspec_ray.toy.drafter import RECIPES, train_drafter_on_world
     from mmspec_ray.training.methods import DreamMethod
 
     recipe = RECIPES[target].model_copy(update={"examples": examples})
+    if heldout is not None:
+        recipe = recipe.model_copy(update={"heldout": heldout})
     return train_drafter_on_world(build_toy(target), out, DreamMethod(w_mid=0.0), recipe)
 
 
@@ -51,11 +54,12 @@ def main() -> None:
     n.add_argument("--target", default="toy-m")
     n.add_argument("--examples", type=int, default=200)
     n.add_argument("--out", type=Path, required=True)
+    n.add_argument("--heldout", type=int, default=None, help="held-out prompts for τ per epoch (default: recipe's)")
     a = p.parse_args()
     if a.cmd == "vtc":
         print("\n".join(str(o) for o in vtc_variants(a.drafter, a.out_root)))
     else:
-        print(train_without_mid(a.target, a.examples, a.out))
+        print(train_without_mid(a.target, a.examples, a.out, a.heldout))
 
 
 if __name__ == "__main__":
