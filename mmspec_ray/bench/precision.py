@@ -111,7 +111,8 @@ def float32_head(target) -> None:
         x = torch.nn.functional.linear(h.float(), w, b)
         return dataclasses.replace(out, logits=torch.tanh(x / cap) * cap if cap else x)
 
-    target.prefill = lambda inputs, logits_to_keep=1: logits(prefill(inputs, logits_to_keep), logits_to_keep)
+    target.prefill = lambda inputs, logits_to_keep=1, **kw: logits(prefill(inputs, logits_to_keep, **kw),
+                                                                   logits_to_keep)
     target.verify = lambda tokens, ancestors, depth: logits(verify(tokens, ancestors, depth), 0)
 
 
