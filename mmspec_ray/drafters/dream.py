@@ -235,16 +235,7 @@ class DreamDrafter(Eagle2Drafter):
 
     def _reserve_memory(self, n: int) -> None:
         """The cross-attention K/V buffers hold at least n slots (grown by doubling, committed slots copied)."""
-        if self.mem is not None and self.mem[0].shape[2] >= n:
-            return
-        cap = max(n, 2 * (self.mem[0].shape[2] if self.mem is not None else 256))
-        cfg = self.head.cfg
-        shape = (1, cfg.num_kv_heads, cap, cfg.hidden_size // cfg.num_heads)
-        new = tuple(torch.empty(shape, dtype=self.target.dtype, device=self.target.device) for _ in range(2))
-        if self.mem is not None and self.mem_len:
-            for dst, src in zip(new, self.mem):
-                dst[:, :, :self.mem_len] = src[:, :, :self.mem_len]
-        self.mem = new
+        self.mem = self._grown(self.mem, n, self.mem_len)
 
     def _write_memory(self, feats: torch.Tensor, at: int) -> None:
         """Project features [T, d] into memory slots [at, at+T)."""

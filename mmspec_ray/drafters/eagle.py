@@ -203,16 +203,21 @@ class Eagle2Drafter:
 
     def _reserve(self, n: int) -> None:
         """Make the KV buffers hold at least n slots (grown by doubling, so amortised O(1) per token)."""
-        if self.kv is not None and self.kv[0].shape[2] >= n:
-            return
-        cap = max(n, 2 * (self.kv[0].shape[2] if self.kv is not None else 256))
+        self.kv = self._grown(self.kv, n, self.ctx_len)
+
+    def _grown(self, kv: "tuple[torch.Tensor, torch.Tensor] | None", n: int,
+               used: int) -> "tuple[torch.Tensor, torch.Tensor]":
+        """K/V buffers [1, kv_heads, cap, head_dim] with cap >= n (doubling), the first `used` slots of `kv` kept."""
+        if kv is not None and kv[0].shape[2] >= n:
+            return kv
+        cap = max(n, 2 * (kv[0].shape[2] if kv is not None else 256))
         cfg = self.head.cfg
         shape = (1, cfg.num_kv_heads, cap, cfg.hidden_size // cfg.num_heads)
         new = tuple(torch.empty(shape, dtype=self.target.dtype, device=self.target.device) for _ in range(2))
-        if self.kv is not None and self.ctx_len:
-            for dst, src in zip(new, self.kv):
-                dst[:, :, :self.ctx_len] = src[:, :, :self.ctx_len]
-        self.kv = new
+        if kv is not None and used:
+            for dst, src in zip(new, kv):
+                dst[:, :, :used] = src[:, :, :used]
+        return new
 
     def _extend(self, embeds: torch.Tensor, feats: torch.Tensor, visual: torch.Tensor | None = None) -> None:
         """Run new context entries (embeds, feats [T, d]; visual [T] bool: the entry's next token is a media
