@@ -21,6 +21,7 @@ from mmspec_ray.training.dream import entropy_candidates, intermediate_features,
 from mmspec_ray.training.methods import training_method
 from mmspec_ray.training.trainer import TrainConfig, train_drafter
 from families import FAMILIES, build_target
+from test_spec_engine import check_greedy_lossless, with_cfg
 from tiny import random_images, tiny_llava
 
 TREE = TreeConfig(top_k=4, depth=4, total_tokens=20)
@@ -199,19 +200,8 @@ def test_trained_dream_is_lossless_on_every_family_and_request(family, tmp_path)
     mm = _features(target, [r for n, r in reqs.items() if n != "text"] * 2, tmp_path / "mm", n_tokens=12)
     cfg = TrainConfig(epochs=4, batch_size=2, lr=3e-3, warmup_steps=1)
     d = load_drafter(str(train_drafter("dream", target, mm, tmp_path / "d", cfg)), target)
-    accepted = 0
-    for name, req in reqs.items():
-        ar = AREngine(target).generate(req, max_new_tokens=24)
-        inputs = target.encode(req)
-        with torch.inference_mode():
-            hf = target.model.generate(**inputs, do_sample=False, max_new_tokens=24)
-        assert ar.token_ids == hf[0, inputs["input_ids"].shape[1]:].tolist(), (family, name)
-        for keep in (0.75, 0.25):
-            d.head.cfg = d.head.cfg.model_copy(update={"vtc_keep": keep})
-            g = SpecEngine(target, d, TREE).generate(req, max_new_tokens=24)
-            assert g.token_ids == ar.token_ids, (family, name, keep)
-            accepted += sum(g.stats.accepted_per_cycle)
-    assert accepted > 0
+    vtc = lambda: ((keep, with_cfg(d, vtc_keep=keep)) for keep in (0.75, 0.25))  # noqa: E731
+    assert check_greedy_lossless(target, reqs, vtc, family) > 0
 
 
 def test_dream_sampling_output_distribution_equals_the_target(tmp_path):

@@ -173,6 +173,30 @@ def three_token_distribution(dist) -> dict[tuple[int, ...], float]:
     return probs
 
 
+def with_cfg(drafter, **update):
+    """`drafter` with its head config updated in place (an inference-time option: VTC share, chain / tree)."""
+    drafter.head.cfg = drafter.head.cfg.model_copy(update=update)
+    return drafter
+
+
+def check_greedy_lossless(target, reqs: dict[str, Request], variants, label: str, max_new_tokens: int = 24) -> int:
+    """For every request: AR equals HF `generate(do_sample=False)` token for token, and greedy SpecEngine output
+    equals AR for each (tag, drafter) that `variants()` yields (it may reconfigure one drafter between yields).
+    Returns the draft tokens accepted over all, so a trained drafter's test can require that it drafted."""
+    accepted = 0
+    for name, req in reqs.items():
+        ar = AREngine(target).generate(req, max_new_tokens=max_new_tokens)
+        inputs = target.encode(req)
+        with torch.inference_mode():
+            hf = target.model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
+        assert ar.token_ids == hf[0, inputs["input_ids"].shape[1]:].tolist(), (label, name)
+        for tag, d in variants():
+            g = SpecEngine(target, d, TREE).generate(req, max_new_tokens=max_new_tokens)
+            assert g.token_ids == ar.token_ids, (label, name, tag)
+            accepted += sum(g.stats.accepted_per_cycle)
+    return accepted
+
+
 def check_trained_drafter_samples(target, drafter, req: Request, min_accepted: int, n: int = 1500) -> None:
     """A trained drafter's 3-token sampled answers (T 0.8, top-k 4, top-p 0.9) follow the exact warped target
     distribution (chi-square at p = 1e-4 over `n` samples), and more than `min_accepted` of its proposals are
