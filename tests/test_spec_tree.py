@@ -89,3 +89,14 @@ def test_truncate_keeps_the_shallow_subtree_in_order():
     assert cut.tokens.tolist() == [10, 11, 12, 13, 15] and cut.parents.tolist() == [-1, 0, 0, 1, 2]
     assert cut.depth.tolist() == [0, 1, 1, 2, 2] and cut.scores.tolist() == [0, -1, -2, -3, -5]
     assert tree.truncate(0).tokens.tolist() == [10] and tree.truncate(9) is tree
+
+
+def test_grow_ancestors_marks_each_new_node_with_its_ancestors_and_itself():
+    """Root's children a, b; then c under a, d under b, e under a; then f under c: f attends to a, c and itself."""
+    from mmspec_ray.spec.tree import grow_ancestors
+
+    anc = torch.zeros((0, 0), dtype=torch.bool)
+    for parents in ([-1, -1], [0, 1, 0], [2]):
+        anc = grow_ancestors(anc, torch.tensor(parents))
+    want = {0: {0}, 1: {1}, 2: {0, 2}, 3: {1, 3}, 4: {0, 4}, 5: {0, 2, 5}}
+    assert {i: set(torch.nonzero(anc[i]).flatten().tolist()) for i in range(6)} == want

@@ -31,7 +31,7 @@ from torch import nn
 from mmspec_ray.drafters.base import register_drafter
 from mmspec_ray.drafters.eagle import Eagle2Config, Eagle2Drafter, Eagle2Head
 from mmspec_ray.drafters.layers import DecoderLayer, RMSNorm
-from mmspec_ray.spec.tree import DraftTree, TreeConfig, grow_dynamic_tree
+from mmspec_ray.spec.tree import DraftTree, TreeConfig, grow_ancestors, grow_dynamic_tree
 
 if TYPE_CHECKING:
     from mmspec_ray.targets.base import TargetOutput, VLMTarget
@@ -204,12 +204,9 @@ class DreamDrafter(Eagle2Drafter):
             n_prev, k = anc.shape[0], tokens.shape[0]
             par = parents.tolist()
             levels = [1 if p < 0 else lvl[p] + 1 for p in par]
-            seen = torch.zeros((k, n_prev), dtype=torch.bool, device=dev)  # strict ancestors among expanded
-            for i, p in enumerate(par):
-                if p >= 0:
-                    seen[i] = anc[p]
-            new = torch.cat([seen, torch.eye(k, dtype=torch.bool, device=dev)], 1)
-            anc = torch.cat([F.pad(anc, (0, k)), new], 0)
+            anc = grow_ancestors(anc, parents)
+            new = anc[n_prev:]
+            seen = new[:, :n_prev]  # strict ancestors among expanded
             ones = torch.ones((k, S), dtype=torch.bool, device=dev)
             mask = torch.cat([ones, new], 1)
             cross = torch.cat([torch.ones((k, M + 1), dtype=torch.bool, device=dev), seen], 1)

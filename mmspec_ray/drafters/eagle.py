@@ -19,7 +19,7 @@ from torch import nn
 
 from mmspec_ray.drafters.base import check_device, register_drafter
 from mmspec_ray.drafters.layers import DecoderLayer
-from mmspec_ray.spec.tree import DraftTree, TreeConfig, grow_dynamic_tree
+from mmspec_ray.spec.tree import DraftTree, TreeConfig, grow_ancestors, grow_dynamic_tree
 
 if TYPE_CHECKING:
     from mmspec_ray.targets.base import TargetOutput, VLMTarget
@@ -179,12 +179,8 @@ class Eagle2Drafter:
             all_hid = torch.cat(hid, 0) if hid else None
             feats = torch.stack([self.last[0] if p < 0 else all_hid[p] for p in par])
             levels = [1 if p < 0 else lvl[p] + 1 for p in par]
-            new = torch.zeros((k, n_prev + k), dtype=torch.bool, device=dev)
-            for i, p in enumerate(par):
-                if p >= 0:
-                    new[i, :n_prev] = anc[p]
-                new[i, n_prev + i] = True
-            anc = torch.cat([torch.nn.functional.pad(anc, (0, k)), new], 0)
+            anc = grow_ancestors(anc, parents)
+            new = anc[n_prev:]
             mask = torch.cat([torch.ones((k, S), dtype=torch.bool, device=dev), new], 1)
             pos = torch.tensor([[S - 1 + lv + self.pos_offset for lv in levels]], device=dev)
             out = self.head(self._embed(tokens.tolist())[None], feats[None], pos, mask[None, None], self.kv,

@@ -148,3 +148,14 @@ def _close_under_parents(keep: torch.Tensor, par: torch.Tensor) -> torch.Tensor:
             kept.add(p)
             p = int(par[p])
     return torch.tensor(sorted(kept), dtype=torch.long)
+
+
+def grow_ancestors(anc: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """One expansion step of a drafter's tree: `anc` [n, n] ancestor-or-self among the n nodes expanded so far,
+    `parents` [k] the new nodes' parents among them (-1: the root). Returns the grown [n + k, n + k] matrix; its last
+    k rows are the new nodes' attention over the expanded nodes (strict ancestors, then themselves)."""
+    n, k = anc.shape[0], parents.shape[0]
+    p = parents.to(anc.device)
+    seen = anc[p.clamp(min=0)] & (p >= 0)[:, None] if n else anc.new_zeros((k, 0))
+    new = torch.cat([seen, torch.eye(k, dtype=torch.bool, device=anc.device)], 1)
+    return torch.cat([torch.nn.functional.pad(anc, (0, k)), new], 0)
