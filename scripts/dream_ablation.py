@@ -6,6 +6,14 @@
   nomid --target toy-m --examples 200 --out DIR
                           the same recipe as `mmspec train-drafter --method dream` without the intermediate
                           distillation term (w_mid = 0), on the same prompts and answers
+  gates --target toy-m --examples 200 --gate-init 1.0 [--epochs 8] [--heldout 12] --out DIR
+                          the toy recipe with the cross-attention gates initialised at --gate-init (the authors' 0
+                          keeps the block shut: it gets no gradient there)
+  top1 --target toy-m DRAFTER [DRAFTER ...] [--heldout 24] [--train 24]
+                          teacher-forced depth-1 top-1 agreement with the target's greedy token on held-out
+                          validation prompts the target answers (cached beside the toy world's drafter data) and on
+                          the first training examples: how well each drafter generalises; for DREAM also the gate
+                          values (tanh) and the held-out top-1 with the cross-attention block removed
 """
 
 from __future__ import annotations
@@ -44,6 +52,81 @@ def train_without_mid(target: str, examples: int, out: Path, heldout: int | None
     return train_drafter_on_world(build_toy(target), out, DreamMethod(w_mid=0.0), recipe)
 
 
+def train_with_gates(target: str, examples: int, out: Path, gate_init: float, epochs: int | None = None,
+                     heldout: int | None = None) -> Path:
+    """DREAM on the toy recipe with the cross-attention gates initialised at `gate_init`."""
+    from mmspec_ray.toy.build import build_toy
+    from mmspec_ray.toy.drafter import RECIPES, train_drafter_on_world
+    from mmspec_ray.training.methods import DreamMethod
+
+    recipe = RECIPES[target].model_copy(update={"examples": examples})
+    if heldout is not None:
+        recipe = recipe.model_copy(update={"heldout": heldout})
+    if epochs is not None:
+        recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"epochs": epochs})})
+    return train_drafter_on_world(build_toy(target), out, DreamMethod(gate_init=gate_init), recipe)
+
+
+def teacher_forced_top1(method, head, examples, lm_head_weight, batch_size: int = 16) -> float:
+    """Share of answer positions where the head's next-token argmax (real features in, no noise) equals the
+    target's, pooled over `examples` (the method's own collate and loss, in eval mode)."""
+    import torch
+
+    hits = total = 0.0
+    head.eval()
+    with torch.no_grad():
+        for i in range(0, len(examples), batch_size):
+            idx = list(range(i, min(len(examples), i + batch_size)))
+            batch = method.collate(examples, idx, 0.0, torch.Generator().manual_seed(0))
+            _, parts = method.loss(head, batch, lm_head_weight, 0.1)
+            n = float(batch["loss_mask"].sum())
+            hits, total = hits + parts["top1"] * n, total + n
+    return hits / max(1.0, total)
+
+
+def top1_report(target: str, drafters: list[Path], heldout: int = 24, train: int = 24) -> dict:
+    """Held-out and training teacher-forced top-1 of each drafter directory (any method), DREAM's gates too."""
+    import copy
+
+    import torch
+
+    from mmspec_ray.targets.registry import load_target
+    from mmspec_ray.toy.build import build_toy
+    from mmspec_ray.toy.drafter import RECIPES, toy_features
+    from mmspec_ray.toy.prompts import toy_requests
+    from mmspec_ray.training.datagen import DatagenRecipe, generate_features, load_features
+    from mmspec_ray.training.methods import training_method
+
+    world = build_toy(target)
+    tgt = load_target(world.target)
+    recipe = RECIPES[target]
+    held_dir = world.root / "drafter-data" / f"validation-n{heldout}-t{recipe.max_new_tokens}-mid"
+    if not (held_dir / "manifest.json").exists():
+        generate_features(tgt, toy_requests(world, "validation", heldout, seed=2),
+                          DatagenRecipe(max_new_tokens=recipe.max_new_tokens, mid_features=True), held_dir,
+                          total=heldout)
+    held = load_features(held_dir)
+    train_ex = load_features(toy_features(world, tgt, recipe.model_copy(update={"examples": 200}), mid=True))[:train]
+    W = tgt.model.get_output_embeddings().weight.detach().float()
+    report = {}
+    for path in drafters:
+        name = json.loads((path / "config.json").read_text()).get("method", "eagle2")
+        m = training_method(name)
+        head = m.head_class.load(path).float()
+        row = {"method": name, "heldout_top1": teacher_forced_top1(m, head, held, W),
+               "train_top1": teacher_forced_top1(m, head, train_ex, W)}
+        if hasattr(head, "cross"):
+            row["tanh_attn_gate"] = float(torch.tanh(head.cross.attn_gate))
+            row["tanh_mlp_gate"] = float(torch.tanh(head.cross.mlp_gate))
+            shut = copy.deepcopy(head)
+            with torch.no_grad():
+                shut.cross.attn_gate.zero_()
+                shut.cross.mlp_gate.zero_()
+            row["heldout_top1_without_cross_attention"] = teacher_forced_top1(m, shut, held, W)
+        report[str(path)] = row
+    return {"target": target, "heldout_prompts": len(held), "train_examples": len(train_ex), "drafters": report}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -55,11 +138,27 @@ def main() -> None:
     n.add_argument("--examples", type=int, default=200)
     n.add_argument("--out", type=Path, required=True)
     n.add_argument("--heldout", type=int, default=None, help="held-out prompts for τ per epoch (default: recipe's)")
+    g = sub.add_parser("gates")
+    g.add_argument("--target", default="toy-m")
+    g.add_argument("--examples", type=int, default=200)
+    g.add_argument("--gate-init", type=float, required=True)
+    g.add_argument("--epochs", type=int, default=None)
+    g.add_argument("--heldout", type=int, default=None, help="held-out prompts for τ per epoch (default: recipe's)")
+    g.add_argument("--out", type=Path, required=True)
+    t = sub.add_parser("top1")
+    t.add_argument("--target", default="toy-m")
+    t.add_argument("drafters", type=Path, nargs="+")
+    t.add_argument("--heldout", type=int, default=24)
+    t.add_argument("--train", type=int, default=24)
     a = p.parse_args()
     if a.cmd == "vtc":
         print("\n".join(str(o) for o in vtc_variants(a.drafter, a.out_root)))
-    else:
+    elif a.cmd == "nomid":
         print(train_without_mid(a.target, a.examples, a.out, a.heldout))
+    elif a.cmd == "gates":
+        print(train_with_gates(a.target, a.examples, a.out, a.gate_init, a.epochs, a.heldout))
+    else:
+        print(json.dumps(top1_report(a.target, a.drafters, a.heldout, a.train), indent=2))
 
 
 if __name__ == "__main__":

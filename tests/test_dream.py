@@ -136,6 +136,32 @@ def test_cross_attention_sees_only_the_ancestors_features():
     assert second[:, M + 1:].sum(1).tolist() == [1, 1]  # each level-2 node sees exactly one level-1 feature
 
 
+@pytest.mark.parametrize("gate_init", [0.0, 1.0])
+def test_closed_gates_give_the_cross_attention_no_gradient(gate_init):
+    """At the authors' gate 0 the cross-attention's projections get exactly zero gradient (why the block stays
+    unused in short training); with `gate_init` open they learn. The config carries gate_init into the head."""
+    from mmspec_ray.drafters.dream import DreamConfig
+    from mmspec_ray.training.dream import dream_loss
+
+    target = wrap(*tiny_llava(init=0.3))
+    torch.manual_seed(0)
+    head = DreamHead(DreamConfig.for_target(target).model_copy(update={"gate_init": gate_init})).float()
+    assert head.cross.attn_gate.item() == head.cross.mlp_gate.item() == gate_init
+    B, T, d = 2, 6, target.hidden_size
+    batch = {"emb": torch.randn(B, T, d), "mem": torch.randn(B, T, d), "tgt": torch.randn(B, T, d),
+             "mid": torch.randn(B, T, d), "loss_mask": torch.ones(B, T, dtype=torch.bool),
+             "valid": torch.ones(B, T, dtype=torch.bool)}
+    dream_loss(head, batch, target.model.get_output_embeddings().weight.detach().float())[0].backward()
+    grads = [head.cross.q_proj.weight.grad, head.cross.k_proj.weight.grad, head.cross.v_proj.weight.grad,
+             head.cross.o_proj.weight.grad, head.cross.up_proj.weight.grad]
+    if gate_init == 0.0:
+        assert all(float(g.abs().max()) == 0.0 for g in grads)
+    else:
+        assert all(float(g.abs().max()) > 0.0 for g in grads)
+    assert float(head.cross.attn_gate.grad.abs()) > 0.0  # the gate itself moves, with no consistent sign
+    assert float(head.block1.q_proj.weight.grad.abs().max()) > 0.0  # the rest of the head trains either way
+
+
 def _features(target, reqs, path, n_tokens=16, mid=True):
     return load_features(generate_features(target, reqs, DatagenRecipe(max_new_tokens=n_tokens, mid_features=mid),
                                            path))

@@ -5,7 +5,8 @@ The draft stream is token embeddings (the prompt's merged input embeddings, medi
 block 1 (causal self-attention, no input norm) -> a cross-attention block whose keys/values are the target's
 last-layer features -> block 3 (causal self-attention) -> final norm -> the target's frozen LM head. No fc fusion.
 The cross-attention block (spec §2.2, the authors' code): pre-norm queries, per-head RMSNorm on q and k, no RoPE,
-tanh-gated residuals (attention and MLP) whose gates start at 0, so the block starts as the identity.
+tanh-gated residuals (attention and MLP); the gates start at `gate_init` (the authors' 0 makes the block start as the
+identity, and then it gets no gradient: see DreamConfig.gate_init).
 
 Alignment (spec A7, the clean version): the query for the token at original position p sees the target features
 at positions < p, plus a zero "null" slot every query may attend (row 0 would otherwise see nothing). While
@@ -43,6 +44,10 @@ class DreamConfig(Eagle2Config):
     method: str = "dream"
     vtc_keep: float = 0.75  # share of visual tokens the draft stream keeps (paper default 75 %); 1.0: no VTC
     intermed_tap: str = "ca_block"  # which draft feature the intermediate loss supervises: ca_block (code), block1
+    # initial value of the cross-attention block's tanh gates (attention and MLP). The authors' code starts them at 0
+    # (the block starts as the identity); at 0 the block's projections get exactly zero gradient, and on the toy
+    # schedule the gates never open (docs/drafters/dream.md, "the gates"). Only read at initialisation.
+    gate_init: float = 0.0
 
 
 def compress_visual(media: torch.Tensor, scores: torch.Tensor, keep: float) -> torch.Tensor:
@@ -62,7 +67,8 @@ def compress_visual(media: torch.Tensor, scores: torch.Tensor, keep: float) -> t
 class CrossAttention(nn.Module):
     """The DREAM cross-attention block: gated attention of the stream over a feature memory, then a gated MLP."""
 
-    def __init__(self, dim: int, heads: int, kv_heads: int, ffn: int, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, heads: int, kv_heads: int, ffn: int, eps: float = 1e-6,
+                 gate_init: float = 0.0) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
         self.input_norm = RMSNorm(dim, eps)
@@ -72,8 +78,8 @@ class CrossAttention(nn.Module):
         self.o_proj = nn.Linear(heads * self.head_dim, dim, bias=False)
         self.q_norm = RMSNorm(self.head_dim, eps)
         self.k_norm = RMSNorm(self.head_dim, eps)
-        self.attn_gate = nn.Parameter(torch.zeros(1))
-        self.mlp_gate = nn.Parameter(torch.zeros(1))
+        self.attn_gate = nn.Parameter(torch.full((1,), float(gate_init)))
+        self.mlp_gate = nn.Parameter(torch.full((1,), float(gate_init)))
         self.post_norm = RMSNorm(dim, eps)
         self.gate_proj = nn.Linear(dim, ffn, bias=False)
         self.up_proj = nn.Linear(dim, ffn, bias=False)
@@ -107,7 +113,7 @@ class DreamHead(Eagle2Head):
         self.cfg = cfg
         d, h, kv, ffn = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
         self.block1 = DecoderLayer(d, h, kv, ffn, cfg.rope_theta, cfg.rms_eps, input_norm=False)
-        self.cross = CrossAttention(d, h, kv, ffn, cfg.rms_eps)
+        self.cross = CrossAttention(d, h, kv, ffn, cfg.rms_eps, cfg.gate_init)
         self.block3 = DecoderLayer(d, h, kv, ffn, cfg.rope_theta, cfg.rms_eps, input_norm=True)
         self.norm = RMSNorm(d, cfg.rms_eps)
 

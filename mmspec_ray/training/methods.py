@@ -226,7 +226,7 @@ class DreamMethod(TrainingMethod):
     """DREAM: the three-block cross-attention drafter (`DreamHead`) in one multimodal stage, on examples that carry
     each position's entropy-selected intermediate target feature (`mid`, made at feature generation). Loss weights
     (feature, intermediate, KL) default to the paper's (0.2, 0.2, 1.0); `w_mid` 0 is the no-intermediate-distillation
-    ablation (no `mid` needed then). `vtc_keep` / `intermed_tap` override the head config."""
+    ablation (no `mid` needed then). `vtc_keep` / `intermed_tap` / `gate_init` override the head config."""
 
     name = "dream"
     needs = ("hidden", "embeds", "media", "mid")
@@ -234,11 +234,12 @@ class DreamMethod(TrainingMethod):
     drafter_class = DreamDrafter
 
     def __init__(self, w_feat: float = 0.2, w_mid: float = 0.2, w_kl: float = 1.0, vtc_keep: float | None = None,
-                 intermed_tap: str | None = None) -> None:
+                 intermed_tap: str | None = None, gate_init: float | None = None) -> None:
         self.weights = (w_feat, w_mid, w_kl)
         if not w_mid:
             self.needs = ("hidden", "embeds", "media")
-        self.options = {k: v for k, v in (("vtc_keep", vtc_keep), ("intermed_tap", intermed_tap)) if v is not None}
+        self.options = {k: v for k, v in (("vtc_keep", vtc_keep), ("intermed_tap", intermed_tap),
+                                          ("gate_init", gate_init)) if v is not None}
 
     def head(self, target: "VLMTarget") -> nn.Module:
         return self.head_class(self.head_class.config_class.for_target(target).model_copy(update=self.options))
