@@ -3,7 +3,7 @@
   vtc DIR OUT_ROOT        copies of the trained drafter DIR keeping 100 / 75 / 50 / 25 % of the visual tokens
                           (OUT_ROOT/dream-vtc100 ...): VTC acts at inference only (the authors' code trains on full
                           sequences), so one trained drafter serves every rate
-  nomid --target toy-m --examples 200 --out DIR
+  nomid --target toy-m --examples 200 [--gate-init G] --out DIR
                           the same recipe as `mmspec train-drafter --method dream` without the intermediate
                           distillation term (w_mid = 0), on the same prompts and answers
   gates --target toy-m --examples 200 --gate-init 1.0 [--epochs 8] [--heldout 12] --out DIR
@@ -39,9 +39,10 @@ def vtc_variants(drafter: Path, out_root: Path) -> list[Path]:
     return outs
 
 
-def train_without_mid(target: str, examples: int, out: Path, heldout: int | None = None) -> Path:
+def train_without_mid(target: str, examples: int, out: Path, heldout: int | None = None,
+                      gate_init: float | None = None) -> Path:
     """DREAM trained with w_mid = 0 (no intermediate distillation), the toy recipe otherwise (`heldout` 0: no
-    held-out τ after each epoch, which saves its decoding time)."""
+    held-out τ after each epoch, which saves its decoding time; `gate_init`: the head's, None the default)."""
     from mmspec_ray.toy.build import build_toy
     from mmspec_ray.toy.drafter import RECIPES, train_drafter_on_world
     from mmspec_ray.training.methods import DreamMethod
@@ -49,7 +50,7 @@ def train_without_mid(target: str, examples: int, out: Path, heldout: int | None
     recipe = RECIPES[target].model_copy(update={"examples": examples})
     if heldout is not None:
         recipe = recipe.model_copy(update={"heldout": heldout})
-    return train_drafter_on_world(build_toy(target), out, DreamMethod(w_mid=0.0), recipe)
+    return train_drafter_on_world(build_toy(target), out, DreamMethod(w_mid=0.0, gate_init=gate_init), recipe)
 
 
 def train_with_gates(target: str, examples: int, out: Path, gate_init: float, epochs: int | None = None,
@@ -138,6 +139,7 @@ def main() -> None:
     n.add_argument("--examples", type=int, default=200)
     n.add_argument("--out", type=Path, required=True)
     n.add_argument("--heldout", type=int, default=None, help="held-out prompts for τ per epoch (default: recipe's)")
+    n.add_argument("--gate-init", type=float, default=None, help="the cross-attention gates' initial value")
     g = sub.add_parser("gates")
     g.add_argument("--target", default="toy-m")
     g.add_argument("--examples", type=int, default=200)
@@ -154,7 +156,7 @@ def main() -> None:
     if a.cmd == "vtc":
         print("\n".join(str(o) for o in vtc_variants(a.drafter, a.out_root)))
     elif a.cmd == "nomid":
-        print(train_without_mid(a.target, a.examples, a.out, a.heldout))
+        print(train_without_mid(a.target, a.examples, a.out, a.heldout, a.gate_init))
     elif a.cmd == "gates":
         print(train_with_gates(a.target, a.examples, a.out, a.gate_init, a.epochs, a.heldout))
     else:

@@ -5,8 +5,8 @@ The draft stream is token embeddings (the prompt's merged input embeddings, medi
 block 1 (causal self-attention, no input norm) -> a cross-attention block whose keys/values are the target's
 last-layer features -> block 3 (causal self-attention) -> final norm -> the target's frozen LM head. No fc fusion.
 The cross-attention block (spec §2.2, the authors' code): pre-norm queries, per-head RMSNorm on q and k, no RoPE,
-tanh-gated residuals (attention and MLP); the gates start at `gate_init` (the authors' 0 makes the block start as the
-identity, and then it gets no gradient: see DreamConfig.gate_init).
+tanh-gated residuals (attention and MLP); the gates start open at `gate_init` (the authors' 0 makes the block start as
+the identity, and then its projections get no gradient: see DreamConfig.gate_init).
 
 Alignment (spec A7, the clean version): the query for the token at original position p sees the target features
 at positions < p, plus a zero "null" slot every query may attend (row 0 would otherwise see nothing). While
@@ -44,10 +44,11 @@ class DreamConfig(Eagle2Config):
     method: str = "dream"
     vtc_keep: float = 0.75  # share of visual tokens the draft stream keeps (paper default 75 %); 1.0: no VTC
     intermed_tap: str = "ca_block"  # which draft feature the intermediate loss supervises: ca_block (code), block1
-    # initial value of the cross-attention block's tanh gates (attention and MLP). The authors' code starts them at 0
-    # (the block starts as the identity); at 0 the block's projections get exactly zero gradient, and on the toy
-    # schedule the gates never open (docs/drafters/dream.md, "the gates"). Only read at initialisation.
-    gate_init: float = 0.0
+    # initial value of the cross-attention block's tanh gates (attention and MLP), read at initialisation only. The
+    # authors' code starts them at 0 (the block starts as the identity), but at 0 the block's projections get exactly
+    # zero gradient and on the toy schedule the gates never open, so the block goes unused; 1.0 (tanh 0.76) trains
+    # it from the first step (docs/drafters/dream.md, "Opening the gates").
+    gate_init: float = 1.0
 
 
 def compress_visual(media: torch.Tensor, scores: torch.Tensor, keep: float) -> torch.Tensor:
