@@ -117,8 +117,8 @@ def top1_report(target: str, drafters: list[Path], heldout: int = 24, train: int
         row = {"method": name, "heldout_top1": teacher_forced_top1(m, head, held, W),
                "train_top1": teacher_forced_top1(m, head, train_ex, W)}
         if hasattr(head, "cross"):
-            row["tanh_attn_gate"] = float(torch.tanh(head.cross.attn_gate))
-            row["tanh_mlp_gate"] = float(torch.tanh(head.cross.mlp_gate))
+            row["tanh_attn_gate"] = torch.tanh(head.cross.attn_gate).item()
+            row["tanh_mlp_gate"] = torch.tanh(head.cross.mlp_gate).item()
             shut = copy.deepcopy(head)
             with torch.no_grad():
                 shut.cross.attn_gate.zero_()
