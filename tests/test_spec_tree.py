@@ -100,3 +100,23 @@ def test_grow_ancestors_marks_each_new_node_with_its_ancestors_and_itself():
         anc = grow_ancestors(anc, torch.tensor(parents))
     want = {0: {0}, 1: {1}, 2: {0, 2}, 3: {1, 3}, 4: {0, 4}, 5: {0, 2, 5}}
     assert {i: set(torch.nonzero(anc[i]).flatten().tolist()) for i in range(6)} == want
+
+
+def test_ngram_proposes_only_after_a_repeated_bigram():
+    """The n-gram drafter's chain: what followed the latest earlier match of the longest tail of >= min_ngram tokens;
+    with no such match the root alone (the cycle is then a plain one-token AR step)."""
+    from mmspec_ray.drafters.ngram import NgramDrafter
+
+    cfg = TreeConfig(top_k=4, depth=3, total_tokens=16)
+    d = NgramDrafter()
+    d.context = [5, 6, 7, 8, 9, 1, 2, 6]  # tail (2, 6) never occurred; a unigram (6) did: no proposal
+    assert d.propose(6, cfg).tokens.tolist() == [6]
+    d.context = [5, 6, 7, 8, 9, 1, 5, 6]  # tail (5, 6) occurred at 0: propose what followed, up to depth + 1
+    assert d.propose(6, cfg).tokens.tolist() == [6, 7, 8, 9, 1]
+    d.context = [3, 4, 5, 9, 4, 5, 8, 3, 4, 5]  # the longest tail (3, 4, 5) wins over the later (4, 5)
+    assert d.propose(5, cfg).tokens.tolist() == [5, 9, 4, 5, 8]
+    unigram = NgramDrafter(min_ngram=1)
+    unigram.context = [5, 6, 7, 8, 9, 1, 2, 6]
+    assert unigram.propose(6, cfg).tokens.tolist() == [6, 7, 8, 9, 1]
+    with pytest.raises(ValueError, match="min_ngram"):
+        NgramDrafter(min_ngram=4)
