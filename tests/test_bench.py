@@ -113,3 +113,23 @@ def test_scale_profile_times_every_stage_and_its_old_commit_reference_matches_co
         commit(target, deepest_path(tree))
         caches.append([(lay.keys.clone(), lay.values.clone()) for lay in target.cache.layers])
     assert all(torch.equal(a, b) for x, y in zip(*caches) for a, b in zip(x, y))
+
+
+def test_bench_plots_show_the_summary_the_histogram_and_the_cycle_split(tmp_path):
+    """write_results draws speedup / accepted-length / cycle-split PNGs from the summary and the raw runs, and the
+    accepted-length shares are computed exactly from each run's histogram."""
+    from mmspec_ray.bench.plots import accepted_histogram
+    from mmspec_ray.bench.run import accepted_counts, write_results
+
+    assert accepted_counts([0, 2, 2, 1, 2]) == [1, 1, 3] and accepted_counts([]) == []
+    eng = dict(prefill_s=0.1, draft_s=0.05, overhead_s=0.01)
+    runs = [_run("ar", 0.0, 1.0, 10, accepted=0, cycles=9, verify_s=0.8, accepted_hist=[9], **eng),
+            _run("ngram", 0.0, 0.8, 10, accepted=3, cycles=6, verify_s=0.6, accepted_hist=[4, 1, 1], **eng),
+            _run("ngram", 0.0, 0.8, 10, accepted=4, cycles=6, verify_s=0.6, accepted_hist=[3, 2, 0, 0, 1], **eng)]
+    assert accepted_histogram(runs, 0.0, "ngram") == pytest.approx([7 / 12, 3 / 12, 1 / 12, 0.0, 1 / 12])
+    res = {"summary": summarize(runs), "runs": runs}
+    assert res["summary"]["0.0"]["ngram"]["overhead_ms_per_cycle"] == pytest.approx(1e3 * 0.02 / 12)
+    out = write_results(res, tmp_path / "b", "made up")
+    for name in ("speedup.png", "accepted.png", "cycle.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+        assert f"({name})" in (out / "bench.md").read_text()

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel
 
+from mmspec_ray.bench.plots import write_plots
 from mmspec_ray.config import SamplingParams
 from mmspec_ray.drafters.base import load_drafter
 from mmspec_ray.drafters.ngram import NgramDrafter
@@ -63,6 +64,14 @@ def _hf_runner(target: VLMTarget, req: Request, max_new_tokens: int, sampling: S
     return run
 
 
+def accepted_counts(accepted_per_cycle: list[int]) -> list[int]:
+    """counts[n]: cycles that accepted n draft tokens (the accepted-length histogram of one run)."""
+    counts = [0] * (max(accepted_per_cycle, default=-1) + 1)
+    for n in accepted_per_cycle:
+        counts[n] += 1
+    return counts
+
+
 def _engine_runner(engine: SpecEngine, req: Request, max_new_tokens: int,
                    sampling: SamplingParams) -> Callable[[], tuple[int, dict]]:
     def run() -> tuple[int, dict]:
@@ -72,7 +81,8 @@ def _engine_runner(engine: SpecEngine, req: Request, max_new_tokens: int,
                                   "draft_s": st.draft_s, "verify_s": st.verify_s, "overhead_s": st.overhead_s,
                                   "draft_passes": st.draft_passes,
                                   "drafter_prefill_s": st.drafter_prefill_s,
-                                  "drafter_prefill_tokens": st.drafter_prefill_tokens, "prompt_tokens": st.prompt_tokens}
+                                  "drafter_prefill_tokens": st.drafter_prefill_tokens, "prompt_tokens": st.prompt_tokens,
+                                  "accepted_hist": accepted_counts(st.accepted_per_cycle)}
 
     return run
 
@@ -167,6 +177,7 @@ def summarize(runs: list[dict]) -> dict:
                 ncyc = max(1, sum(r["cycles"] for r in mr))  # draft time includes the drafter's begin (its prefill)
                 row.update(draft_ms_per_cycle=1e3 * sum(r["draft_s"] for r in mr) / ncyc,
                            verify_ms_per_cycle=1e3 * sum(r["verify_s"] for r in mr) / ncyc,
+                           overhead_ms_per_cycle=1e3 * sum(r.get("overhead_s", 0.0) for r in mr) / ncyc,
                            drafter_prefill_ms=1e3 * statistics.mean(r.get("drafter_prefill_s", 0.0) for r in mr),
                            drafter_prefill_tokens=statistics.mean(r.get("drafter_prefill_tokens", 0) for r in mr),
                            prompt_tokens=statistics.mean(r.get("prompt_tokens", 0) for r in mr))
@@ -222,5 +233,9 @@ def write_results(results: dict, out_dir: str | Path, title: str) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(results, indent=1))
-    (out / "bench.md").write_text(to_markdown(results, title))
+    md = to_markdown(results, title)
+    plots = write_plots(results, out)
+    if plots:
+        md += "\nPlots: " + ", ".join(f"[{p.name}]({p.name})" for p in plots) + "\n"
+    (out / "bench.md").write_text(md)
     return out
