@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 PEERS = ("ar", "hf_generate", "hf_prompt_lookup", "hf_assisted")  # methods with no verify cycles of ours
 
@@ -35,12 +37,24 @@ def accepted_histogram(runs: list[dict], temperature: float, method: str) -> lis
     return [c / total for c in counts] if total else []
 
 
-def plot_speedup(results: dict, path: Path) -> Path:
-    """Median per-prompt speedup over AR per method (bars), min-max over prompts (error bars), one panel per T."""
+def _per_temperature(results: dict, path: Path, draw: Callable[[Any, str], bool]) -> Path | None:
+    """One panel per temperature of the summary, each filled by draw(ax, temperature) -> whether it drew
+    anything; saved to `path` when some panel did (else None)."""
     plt = _pyplot()
     temps = list(results["summary"])
     fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4), squeeze=False)
-    for ax, temp in zip(axes[0], temps):
+    drew = [draw(ax, temp) for ax, temp in zip(axes[0], temps)]
+    if any(drew):
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path if any(drew) else None
+
+
+def plot_speedup(results: dict, path: Path) -> Path | None:
+    """Median per-prompt speedup over AR per method (bars), min-max over prompts (error bars), one panel per T."""
+
+    def draw(ax, temp: str) -> bool:
         table = results["summary"][temp]
         names = list(table)
         med = [table[m]["speedup_median"] for m in names]
@@ -49,46 +63,38 @@ def plot_speedup(results: dict, path: Path) -> Path:
         ax.bar(names, med, yerr=[lo, hi], capsize=3, color="tab:blue")
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         for i, v in enumerate(med):
-            ax.text(i, v, f"{v:.2f}x", ha="center", va="bottom", fontsize=8)
+            ax.text(i + 0.1, v, f"{v:.2f}x", ha="left", va="bottom", fontsize=8)
         ax.set_title(f"T = {temp}: speedup over AR per token (median, min-max)")
         ax.tick_params(axis="x", rotation=45)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+        return bool(names)
+
+    return _per_temperature(results, path, draw)
 
 
 def plot_accepted(results: dict, path: Path) -> Path | None:
     """Accepted draft tokens per cycle, as a share of cycles, per drafter and temperature (None: nothing recorded)."""
-    plt = _pyplot()
-    temps = list(results["summary"])
-    hists = {t: {m: accepted_histogram(results["runs"], float(t), m) for m in results["summary"][t]
-                 if m not in PEERS} for t in temps}
-    if not any(h for per in hists.values() for h in per.values()):
-        return None
-    fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4), squeeze=False)
-    for ax, temp in zip(axes[0], temps):
-        drawn = {m: h for m, h in hists[temp].items() if h}
+
+    def draw(ax, temp: str) -> bool:
+        hists = {m: accepted_histogram(results["runs"], float(temp), m) for m in results["summary"][temp]
+                 if m not in PEERS}
+        drawn = {m: h for m, h in hists.items() if h}
         width = 0.8 / max(1, len(drawn))
         for i, (m, h) in enumerate(drawn.items()):
             ax.bar([n + i * width for n in range(len(h))], h, width=width, label=m)
         ax.set_xlabel("accepted draft tokens in a cycle")
         ax.set_ylabel("share of cycles")
         ax.set_title(f"T = {temp}: accepted length")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+        if drawn:
+            ax.legend(fontsize=8)
+        return bool(drawn)
+
+    return _per_temperature(results, path, draw)
 
 
 def plot_cycle(results: dict, path: Path) -> Path | None:
     """Milliseconds per verify cycle split into draft, verify and bookkeeping, per method, one panel per T."""
-    plt = _pyplot()
-    temps = list(results["summary"])
-    fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4), squeeze=False)
-    drew = False
-    for ax, temp in zip(axes[0], temps):
+
+    def draw(ax, temp: str) -> bool:
         rows = {m: r for m, r in results["summary"][temp].items() if "verify_ms_per_cycle" in r}
         names = list(rows)
         bottom = [0.0] * len(names)
@@ -96,16 +102,13 @@ def plot_cycle(results: dict, path: Path) -> Path | None:
             vals = [rows[m].get(f"{key}_ms_per_cycle", 0.0) for m in names]
             ax.bar(names, vals, bottom=bottom, color=colour, label="bookkeeping" if key == "overhead" else key)
             bottom = [b + v for b, v in zip(bottom, vals)]
-            drew = drew or bool(names)
         ax.set_ylabel("ms per verify cycle")
         ax.set_title(f"T = {temp}: where a cycle's time goes")
         ax.tick_params(axis="x", rotation=45)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    if drew:
-        fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path if drew else None
+        return bool(names)
+
+    return _per_temperature(results, path, draw)
 
 
 def write_plots(results: dict, out_dir: str | Path) -> list[Path]:
