@@ -120,3 +120,9 @@ def test_ngram_proposes_only_after_a_repeated_bigram():
     assert unigram.propose(6, cfg).tokens.tolist() == [6, 7, 8, 9, 1]
     with pytest.raises(ValueError, match="min_ngram"):
         NgramDrafter(min_ngram=4)
+    from mmspec_ray.drafters.base import load_drafter
+
+    assert (load_drafter("ngram", None).min_ngram, load_drafter("ngram:1", None).min_ngram) == (2, 1)
+    assert load_drafter("ngram:4", None).max_ngram == 4
+    with pytest.raises(ValueError, match="whole number"):
+        load_drafter("ngram:x", None)

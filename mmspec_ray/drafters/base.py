@@ -91,7 +91,8 @@ def check_drafter_files(path: "Path") -> None:
 
 def load_drafter(spec: str | None, target: "VLMTarget", device: str | None = None,
                  s3: "S3Config | None" = None) -> Drafter:
-    """A ready drafter for `target` from a method name ("none", "ngram") or a trained drafter checkpoint directory
+    """A ready drafter for `target` from a method name ("none", "ngram", "ngram:N" for a shortest match of N
+    tokens) or a trained drafter checkpoint directory
     or s3:// prefix (`config.json` naming its `method` + `model.safetensors`). None or "" means no drafter (plain
     AR decoding).
     `device`, when given, must be the target's (see `check_device`); `s3`: the endpoint of an s3:// drafter
@@ -101,8 +102,11 @@ def load_drafter(spec: str | None, target: "VLMTarget", device: str | None = Non
     check_device(device, target)
     if not spec or spec == "none":
         return drafter_class("none")()
-    if spec in ("ngram",):
-        return drafter_class(spec)()
+    if spec == "ngram" or spec.startswith("ngram:"):  # "ngram:N": prompt lookup needing a match of N tokens
+        n = spec.partition(":")[2]
+        if n and not n.isdigit():
+            raise ValueError(f"drafter {spec!r}: ngram:N takes the shortest match length N as a whole number")
+        return drafter_class("ngram")(**({"min_ngram": int(n), "max_ngram": max(3, int(n))} if n else {}))
     if spec.startswith("s3://"):  # mirrored once into the local checkpoint cache, as targets are
         from mmspec_ray.targets.registry import fetch_checkpoint
 
