@@ -9,7 +9,7 @@
   gates --target toy-m --examples 200 --gate-init 1.0 [--epochs 8] [--heldout 12] --out DIR
                           the toy recipe with the cross-attention gates initialised at --gate-init (the authors' 0
                           keeps the block shut: it gets no gradient there)
-  top1 --target toy-m DRAFTER [DRAFTER ...] [--heldout 24] [--train 24]
+  top1 --target toy-m DRAFTER [DRAFTER ...] [--heldout 24] [--train 24] [--examples 200]
                           teacher-forced depth-1 top-1 agreement with the target's greedy token on held-out
                           validation prompts the target answers (cached beside the toy world's drafter data) and on
                           the first training examples: how well each drafter generalises; for DREAM also the gate
@@ -85,8 +85,9 @@ def teacher_forced_top1(method, head, examples, lm_head_weight, batch_size: int 
     return hits / max(1.0, total)
 
 
-def top1_report(target: str, drafters: list[Path], heldout: int = 24, train: int = 24) -> dict:
-    """Held-out and training teacher-forced top-1 of each drafter directory (any method), DREAM's gates too."""
+def top1_report(target: str, drafters: list[Path], heldout: int = 24, train: int = 24, examples: int = 200) -> dict:
+    """Held-out and training teacher-forced top-1 of each drafter directory (any method), DREAM's gates too; the
+    training examples are the first `train` of the `examples`-prompt data the drafters trained on."""
     import copy
 
     import torch
@@ -107,7 +108,7 @@ def top1_report(target: str, drafters: list[Path], heldout: int = 24, train: int
                           DatagenRecipe(max_new_tokens=recipe.max_new_tokens, mid_features=True), held_dir,
                           total=heldout)
     held = load_features(held_dir)
-    train_ex = load_features(toy_features(world, tgt, recipe.model_copy(update={"examples": 200}), mid=True))[:train]
+    train_ex = load_features(toy_features(world, tgt, recipe.model_copy(update={"examples": examples}), mid=True))[:train]
     W = tgt.model.get_output_embeddings().weight.detach().float()
     report = {}
     for path in drafters:
@@ -152,6 +153,7 @@ def main() -> None:
     t.add_argument("drafters", type=Path, nargs="+")
     t.add_argument("--heldout", type=int, default=24)
     t.add_argument("--train", type=int, default=24)
+    t.add_argument("--examples", type=int, default=200, help="the training data's prompt count (its -mid copy)")
     a = p.parse_args()
     if a.cmd == "vtc":
         print("\n".join(str(o) for o in vtc_variants(a.drafter, a.out_root)))
@@ -160,7 +162,7 @@ def main() -> None:
     elif a.cmd == "gates":
         print(train_with_gates(a.target, a.examples, a.out, a.gate_init, a.epochs, a.heldout))
     else:
-        print(json.dumps(top1_report(a.target, a.drafters, a.heldout, a.train), indent=2))
+        print(json.dumps(top1_report(a.target, a.drafters, a.heldout, a.train, a.examples), indent=2))
 
 
 if __name__ == "__main__":

@@ -111,7 +111,8 @@ def test_greedy_spec_equals_ar_equals_hf_for_every_drafter(family_target):
             "dream-random": DreamDrafter.random(target, seed=1),  # VTC 75 %; trained DREAM: tests/test_dream.py
             "dream-vtc25-random": dream_keeping(target, 0.25),
             "vispec-random": ViSpecDrafter.random(target, seed=1),  # trained ViSpec: tests/test_vispec.py
-            "ngram": NgramDrafter(),
+            "ngram": NgramDrafter(),  # proposes after a 2-token match
+            "ngram-1": NgramDrafter(min_ngram=1),  # and after any single-token match: longer chains, more rejections
             "oracle": OracleDrafter(ar.token_ids),
             **{f"perturbed-{s}": PerturbedOracle(ar.token_ids, target.vocab_size, seed=s) for s in range(3)},
         }

@@ -68,8 +68,7 @@ def compress_visual(media: torch.Tensor, scores: torch.Tensor, keep: float) -> t
 class CrossAttention(nn.Module):
     """The DREAM cross-attention block: gated attention of the stream over a feature memory, then a gated MLP."""
 
-    def __init__(self, dim: int, heads: int, kv_heads: int, ffn: int, eps: float = 1e-6,
-                 gate_init: float = 0.0) -> None:
+    def __init__(self, dim: int, heads: int, kv_heads: int, ffn: int, eps: float, gate_init: float) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
         self.input_norm = RMSNorm(dim, eps)
