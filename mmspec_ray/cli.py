@@ -85,12 +85,21 @@ def resolve_drafter(drafter: str | None, target: str) -> str | None:
     return drafter
 
 
+def fixed_tree(a: argparse.Namespace):
+    """The TreeConfig of the --tree-* flags (unset ones at TreeConfig's defaults), or None when none is set."""
+    from mmspec_ray.spec.tree import TreeConfig
+
+    given = {k: getattr(a, "tree_" + ("tokens" if k == "total_tokens" else k)) for k in TREE_FLAGS}
+    given = {k: v for k, v in given.items() if v is not None}
+    return checked(TreeConfig, TREE_FLAGS, **given) if given else None
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
     from mmspec_ray.config import SamplingParams
     from mmspec_ray.drafters.base import load_drafter
     from mmspec_ray.media import load_image, load_video
+    from mmspec_ray.spec.calibrate import auto_tree
     from mmspec_ray.spec.engine import SpecEngine
-    from mmspec_ray.spec.tree import TreeConfig
     from mmspec_ray.targets import Request, load_target
     from mmspec_ray.targets.hf import video_frames_for
     from mmspec_ray.targets.registry import fetch_checkpoint
@@ -102,10 +111,13 @@ def cmd_generate(a: argparse.Namespace) -> int:
         if value is not None and value < 1:  # checked before the (minutes-long) model load
             raise UsageError(f"{flag}: must be at least 1 (got {value})")
     sampling = checked(SamplingParams, SAMPLING_FLAGS, **{k: getattr(a, k) for k in SAMPLING_FLAGS})
-    tree = checked(TreeConfig, TREE_FLAGS, top_k=a.tree_top_k, depth=a.tree_depth, total_tokens=a.tree_tokens)
+    tree = fixed_tree(a)
     path = fetch_checkpoint(resolve_target(a.target))  # s3:// (S3Config.from_env) -> its local cache directory
     target = load_target(path, dtype=a.dtype)
-    drafter = load_drafter(resolve_drafter(a.drafter, a.target), target)
+    drafter_spec = resolve_drafter(a.drafter, a.target)
+    drafter = load_drafter(drafter_spec, target)
+    if tree is None:  # no tree flag: the tree calibrated for this target, drafter and machine
+        tree = auto_tree(target, drafter_spec or "none", recalibrate=a.recalibrate)
     images = (load_image(a.image),) if a.image else ()
     videos = (tuple(load_video(a.video, a.num_frames or video_frames_for(path)).frames),) if a.video else ()
     engine = SpecEngine(target, drafter, tree, tie_margin=a.tie_margin)
@@ -181,7 +193,7 @@ def bench_config(a: argparse.Namespace):
 
     tree = checked(TreeConfig, TREE_FLAGS, top_k=a.tree_top_k, depth=a.tree_depth, total_tokens=a.tree_tokens)
     return checked(BenchConfig, {}, prompts=a.prompts, max_new_tokens=a.max_new_tokens, repeats=a.repeats,
-                   temperatures=tuple(a.temperatures), seed=a.seed, tree=tree)
+                   temperatures=tuple(a.temperatures), seed=a.seed, tree=tree, peers=not a.no_peers)
 
 
 def bench_drafters(spec: str) -> dict[str, str]:
@@ -204,7 +216,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
     world = build_toy(a.target)
     target = load_target(world.target, dtype=a.dtype)
-    drafters = {label: resolve_drafter(spec, a.target) for label, spec in bench_drafters(a.drafter).items()}
+    drafters = {}
+    for label, spec in bench_drafters(a.drafter).items():  # DRAFTER@TREE: the tree of that method (run.split_tree)
+        spec, at, tree = spec.rpartition("@") if "@" in spec else (spec, "", "")
+        drafters[label] = resolve_drafter(spec, a.target) + at + tree
     cfg = bench_config(a)
     tasks = tuple(a.tasks.split(",")) if a.tasks else None
     requests = list(toy_requests(world, "test", a.prompts, seed=a.seed, tasks=tasks))
@@ -263,9 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--drafter", default=None,
                      help="none (plain AR), ngram, a drafter checkpoint directory, or eagle2 / msd / hivis with a toy "
                      "target")
-    gen.add_argument("--tree-top-k", type=int, default=8)
-    gen.add_argument("--tree-depth", type=int, default=5)
-    gen.add_argument("--tree-tokens", type=int, default=48, help="draft tree size including the root")
+    gen.add_argument("--tree-top-k", type=int, default=None,
+                     help="fix the draft tree (unset ones: top-k 8, depth 5, 48 tokens); with no --tree-* flag the "
+                     "tree is calibrated for this target, drafter and machine on first use and cached")
+    gen.add_argument("--tree-depth", type=int, default=None)
+    gen.add_argument("--tree-tokens", type=int, default=None, help="draft tree size including the root")
+    gen.add_argument("--recalibrate", action="store_true", help="calibrate the tree again (ignore the cache)")
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                      help="the target's dtype; auto: bfloat16 on cuda, float32 on CPU (this command runs on CPU), "
                      "as the batch job; only float32 gives HF generate's greedy output token for token "
@@ -303,7 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--target", default="toy-s", choices=["toy-s", "toy-m"])
     be.add_argument("--drafter", default="eagle2",
                     help="comma list, run interleaved in one bench: eagle2 / msd / hivis (the toy world's), checkpoint dirs "
-                         "or LABEL=DIR; '' for none")
+                         "or LABEL=DIR; '' for none. DRAFTER@auto: the tree calibrated for it on this machine; "
+                         "DRAFTER@k4d5n16: a fixed tree (top-k 4, depth 5, 16 tokens) for that method")
     be.add_argument("--assistant", default="auto",
                     help="small model for the HF assisted-generation peer: a checkpoint dir, '' for none, or auto "
                          "(toy-m: toy-s, the model it was grown from)")
@@ -318,6 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="the target's dtype (as mmspec generate --dtype)")
     be.add_argument("--seed", type=int, default=0)
+    be.add_argument("--no-peers", action="store_true",
+                    help="AR and the --drafter methods only (no HF peers, ngram, oracle): tree sweeps")
     be.add_argument("--out", default="out/bench")
     be.set_defaults(fn=cmd_bench)
 

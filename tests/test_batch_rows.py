@@ -18,7 +18,8 @@ from mmspec_ray.batch.sources import kinetics_rows
 from mmspec_ray.batch.stages import keep_ids, prepare_block
 from mmspec_ray.batch.output import scan as scan_output
 from mmspec_ray.batch.storage import check_ids, locate
-from mmspec_ray.batch.summary import row_stats, summarize
+from mmspec_ray.batch.summary import format_summary, row_stats, summarize
+from mmspec_ray.spec.tree import TreeConfig
 from mmspec_ray.config import S3Config, SamplingParams
 from mmspec_ray.drafters.base import load_drafter
 from mmspec_ray.media import load_image, load_video
@@ -227,6 +228,26 @@ def test_summary_counts():
     s = summarize(out, pa.array(["a"]), pa.array(["a"]), 2.0, {}, progress)
     assert (s["run"]["startup_seconds"], s["run"]["steady_rows_per_s"], s["run"]["steady_output_tokens_per_s"]) == (
         5.0, 4.0, 40.0)
+    assert s["run"]["speedup_vs_ar"] is None and "measured speedup" not in format_summary(s)
+    progress["speedup_samples"] = [{"spec_s": 1.0, "spec_tokens": 10, "ar_s": 3.0, "ar_tokens": 10, "same": True},
+                                   {"spec_s": 1.0, "spec_tokens": 20, "ar_s": 2.0, "ar_tokens": 10, "same": False}]
+    s = summarize(out, pa.array(["a"]), pa.array(["a"]), 2.0, {}, progress)
+    assert s["run"]["speedup_vs_ar"] == {"rows": 2, "speedup": pytest.approx((5.0 / 20) / (2.0 / 30)),
+                                         "greedy_rows": 2, "greedy_identical": 1}
+    assert ("measured speedup over AR decoding 3.75x on 2 rows decoded both ways; greedy answers identical to AR on "
+            "1/2") in format_summary(s)
+
+
+def test_a_few_rows_are_decoded_with_ar_too_for_the_measured_speedup(cfg):
+    dec = SpecDecoder(cfg.model_copy(update={"tree": TreeConfig(top_k=2, depth=3, total_tokens=6),
+                                             "speedup_sample": 1}))
+    rows = [{"id": i, "prompt": p} for i, p in enumerate(["red blue red blue", "blue circle", "a b c"])]
+    outs = [dec.decode(r) for r in rows]
+    assert all(o["error"] is None for o in outs)
+    assert len(dec.samples) == 1 and dec.ar_left == 0  # the first row only
+    (sample,) = dec.samples
+    assert sample["same"] is True and sample["ar_tokens"] == sample["spec_tokens"] == outs[0]["num_output_tokens"]
+    assert sample["ar_s"] > 0 and sample["spec_s"] == outs[0]["decode_seconds"]
 
 
 # ---------------- inputs, spec, flags ----------------

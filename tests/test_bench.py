@@ -37,6 +37,25 @@ def test_bench_records_every_method_and_token_counts_agree(tmp_path):
     assert "| oracle |" in md and "T = 1.0" in md
 
 
+def test_bench_methods_take_their_own_tree_or_a_calibrated_one(tmp_path, monkeypatch):
+    from mmspec_ray.bench.run import split_tree
+
+    monkeypatch.setenv("MMSPEC_HOME", str(tmp_path))
+    assert split_tree("/a/b@k4d5n16") == ("/a/b", TreeConfig(top_k=4, depth=5, total_tokens=16))
+    assert split_tree("eagle2@auto") == ("eagle2", "auto") and split_tree("/x/y") == ("/x/y", None)
+    with pytest.raises(ValueError, match="kKdDnN"):
+        split_tree("ngram@big")
+    target = wrap(*tiny_llava())
+    reqs = [Request(prompt="describe the image", images=tuple(random_images(1, seed=s))) for s in range(2)]
+    cfg = BenchConfig(prompts=2, max_new_tokens=12, repeats=1, temperatures=(0.0,), peers=False)
+    res = run_bench(target, reqs, {"ng-auto": "ngram:1@auto", "ng-k2": "ngram:1@k2d2n6"}, cfg)
+    assert set(res["summary"]["0.0"]) == {"ar", "ng-auto", "ng-k2"}  # no peers
+    assert res["trees"]["ng-k2"] == {"top_k": 2, "depth": 2, "total_tokens": 6}
+    cal = res["calibration"]["ng-auto"]
+    assert res["trees"]["ng-auto"] == cal["tree"] and cal["probe_cycles"] >= 1 and not cal["cached"]
+    assert list((tmp_path / "calibration").glob("*.json"))  # the pick is cached for later engines
+
+
 def test_cost_profile_measures_ar_steps_and_each_tree_size_and_leaves_the_target_clean():
     from mmspec_ray.bench.costs import ar_step_seconds, verify_seconds
     from mmspec_ray.config import SamplingParams
@@ -46,9 +65,10 @@ def test_cost_profile_measures_ar_steps_and_each_tree_size_and_leaves_the_target
     req = Request(prompt="describe the image", images=tuple(random_images(1, seed=0)))
     before = AREngine(target).generate(req, SamplingParams(), max_new_tokens=6).token_ids
     steps = ar_step_seconds(target, [req], new_tokens=4)
-    costs = verify_seconds(target, req, (1, 3, 5), repeats=3)
+    costs = verify_seconds(target, target.encode(req), (1, 3, 5), repeats=3)
     assert len(steps) == 1 and steps[0] > 0
     assert sorted(costs) == [1, 3, 5] and all(v > 0 for v in costs.values())
+    assert costs[1] <= costs[3] <= costs[5]  # made non-decreasing in size
     # the profile's verify forwards are rolled back: the target still decodes the same answer afterwards
     assert AREngine(target).generate(req, SamplingParams(), max_new_tokens=6).token_ids == before
 

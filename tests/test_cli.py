@@ -25,7 +25,7 @@ def loads(monkeypatch) -> list[str]:
     (["--num-frames", "-2"], "--num-frames: must be at least 1 (got -2)"),
     (["--temperature", "-1"], "--temperature: input should be greater than or equal to 0 (got -1.0)"),
     (["--top-p", "0"], "--top-p: input should be greater than 0 (got 0.0)"),
-    (["--tree-tokens", "1"], "--tree-tokens: input should be greater than or equal to 2 (got 1)"),
+    (["--tree-tokens", "0"], "--tree-tokens: input should be greater than or equal to 1 (got 0)"),
     (["--tree-top-k", "0"], "--tree-top-k: input should be greater than or equal to 1 (got 0)"),
 ])
 def test_generate_parameter_errors_are_one_line_before_the_model_loads(loads, capsys, flags, message):

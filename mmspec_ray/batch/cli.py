@@ -56,6 +56,8 @@ def build_parser(job: str) -> argparse.ArgumentParser:
     a("--rows-per-block", type=int, help="rows per actor call (retry and resume unit)")
     a("--rows-per-file", type=int, help="combine output into files of at least N rows (default 64; 0: a file per "
       "block, i.e. per --rows-per-block rows)")
+    a("--speedup-sample", type=int, help="rows per decoder also decoded with plain AR, for the measured speedup in "
+      "the summary (default 2; 0: off)")
     a("--device")
     a("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     a("--s3-endpoint", help="S3-compatible endpoint, e.g. http://127.0.0.1:9000 (default: AWS_ENDPOINT_URL)")
@@ -80,7 +82,7 @@ def flag_overrides(a: argparse.Namespace) -> dict[str, Any]:
     if a.retry_errors:
         top["retry_errors"] = [k.strip() for k in a.retry_errors.split(",") if k.strip()]
     dec = {k: getattr(a, k) for k in ("target", "drafter", "max_new_tokens", "temperature", "top_p", "top_k",
-                                      "min_p", "repetition_penalty", "seed", "device", "dtype")}
+                                      "min_p", "repetition_penalty", "seed", "device", "dtype", "speedup_sample")}
     dec["default_prompt"] = a.prompt
     media = {"num_frames": a.num_frames, "fps": a.fps}
     s3 = {}

@@ -21,7 +21,8 @@ from mmspec_ray.batch.rows import (ERROR_COL, ERROR_KIND_COL, INTERNAL_COLUMNS, 
 from mmspec_ray.batch.spec import DecodeConfig
 from mmspec_ray.config import SamplingParams
 from mmspec_ray.drafters.base import load_drafter
-from mmspec_ray.spec.engine import SpecEngine
+from mmspec_ray.spec.calibrate import auto_tree
+from mmspec_ray.spec.engine import AREngine, SpecEngine
 from mmspec_ray.spec.output import Generation
 from mmspec_ray.targets import InvalidRequest, PromptTooLong, Request, TargetError, load_target
 from mmspec_ray.targets.registry import resolve_dtype
@@ -50,8 +51,11 @@ class SpecDecoder:
         t0 = time.perf_counter()
         self.target = load_target(cfg.target, self.device, self.dtype, s3=cfg.s3)
         self.drafter = load_drafter(cfg.drafter, self.target, device=self.device)
-        self.engine = SpecEngine(self.target, self.drafter, cfg.tree, tie_margin=cfg.tie_margin)
+        tree = auto_tree(self.target, cfg.drafter) if cfg.tree == "auto" else cfg.tree
+        self.engine = SpecEngine(self.target, self.drafter, tree, tie_margin=cfg.tie_margin)
         self.progress = progress  # optional ProgressTracker actor handle
+        self.ar_left = cfg.speedup_sample  # rows still to decode with AR too (the summary's measured speedup)
+        self.samples: list[dict[str, Any]] = []  # those rows' timings, not yet reported
         self.max_row_crashes = max_row_crashes  # with `progress`: file a row that killed this many decoders
         self.load_seconds = time.perf_counter() - t0
         log.info("decoder ready: target %s (%s, %s), drafter %s, %.1f s", cfg.target, self.device, self.dtype,
@@ -107,6 +111,8 @@ class SpecDecoder:
         except Exception as e:  # a bug or a device error on one row must not end the job
             log.exception("row %r failed", row_id)
             return error_output(f"internal: {type(e).__name__}: {e}", "internal")
+        if self.ar_left > 0 and self.engine.calibrator is None:
+            self._sample_ar(request, row_id, gen)
         return {
             "output_text": gen.text,
             "output_token_ids": list(gen.token_ids),
@@ -117,6 +123,22 @@ class SpecDecoder:
             "error": None,
             "error_kind": None,
         }
+
+    def _sample_ar(self, request: Request, row_id: Any, gen: Generation) -> None:
+        """Decode the row again with plain AR decoding (the same engine loop, no drafter) and keep both timings;
+        at temperature 0 the answers must be equal (float32; docs/engine.md, Precision)."""
+        cfg = self.config
+        self.ar_left -= 1
+        try:
+            ar = AREngine(self.target).generate(request, cfg.sampling_for(row_id), cfg.max_new_tokens, cfg.stop)
+        except Exception:  # the sample is best effort; the row's answer is already made
+            log.warning("speedup sample of row %r failed", row_id, exc_info=True)
+            return
+        same = ar.token_ids == gen.token_ids if cfg.temperature == 0.0 else None
+        if same is False:
+            log.warning("row %r: the AR answer differs from the speculative one (dtype %s)", row_id, self.dtype)
+        self.samples.append({"spec_s": gen.stats.total_s, "spec_tokens": len(gen.token_ids),
+                             "ar_s": ar.stats.total_s, "ar_tokens": len(ar.token_ids), "same": same})
 
     # ---------- one Ray Data block ----------
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -148,7 +170,8 @@ class SpecDecoder:
                 rows=len(outputs), errors=len(outputs) - len(ok),
                 tokens=sum(o["num_output_tokens"] for o in ok),
                 accepted_sum=sum(o["accepted_per_cycle"] for o in ok),
-                decode_s=sum(o["decode_seconds"] for o in ok))
+                decode_s=sum(o["decode_seconds"] for o in ok), samples=self.samples)
+            self.samples = []
         except Exception:  # progress is best effort
             log.debug("progress report failed", exc_info=True)
 

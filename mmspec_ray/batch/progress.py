@@ -30,6 +30,7 @@ class ProgressTracker:
         self.last_s: float | None = None
         self.first_rows = self.first_tokens = 0
         self.unfinished: dict[str, int] = {}  # row id -> decodes of it that started and never finished
+        self.samples: list[dict] = []  # rows decoded with AR too: {spec_s, spec_tokens, ar_s, ar_tokens, same}
 
     def start_row(self, row_id: str) -> int:
         """A decoder starts `row_id`: returns how many earlier decodes of it died unfinished."""
@@ -40,7 +41,9 @@ class ProgressTracker:
     def finish_row(self, row_id: str) -> None:
         self.unfinished.pop(row_id, None)
 
-    def report(self, rows: int, errors: int, tokens: int, accepted_sum: float, decode_s: float) -> None:
+    def report(self, rows: int, errors: int, tokens: int, accepted_sum: float, decode_s: float,
+               samples: list[dict] = ()) -> None:
+        self.samples.extend(samples)
         self.rows += rows
         self.errors += errors
         self.ok += rows - errors
@@ -56,7 +59,7 @@ class ProgressTracker:
                 "mean_accepted": self.accepted_sum / self.ok if self.ok else 0.0,
                 "decode_s": self.decode_s, "elapsed_s": time.time() - self.t0,
                 "first_report_s": self.first_s, "last_report_s": self.last_s,
-                "first_rows": self.first_rows, "first_tokens": self.first_tokens}
+                "first_rows": self.first_rows, "first_tokens": self.first_tokens, "speedup_samples": self.samples}
 
 
 def format_progress(s: dict) -> str:

@@ -58,7 +58,9 @@ class DecodeConfig(BaseModel):
     drafter: str = Field(DEFAULT_DRAFTER, description='"none", "ngram" or a trained drafter checkpoint directory')
     device: str = Field("auto", description='"auto" (cuda when the actor has a GPU), "cpu", "cuda", "cuda:1" ...')
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    tree: TreeConfig = TreeConfig()
+    tree: TreeConfig | Literal["auto"] = Field("auto", description=(
+        "draft tree (top_k, depth, total_tokens), or auto: calibrated on this machine for this target and drafter "
+        "while the first rows decode, then cached (spec/calibrate.py)"))
     tie_margin: float | None = Field(None, ge=0.0, description=(
         "half precision: relative top-2 logit gap under which a greedy token is re-decided by a one-token forward "
         "(None: the engine's per-dtype default; 0: off; docs/engine.md, Precision)"))
@@ -74,6 +76,9 @@ class DecodeConfig(BaseModel):
     media: MediaSpec = MediaSpec()
     s3: S3Config = Field(default_factory=S3Config.from_env)
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads per decoder (None: leave)")
+    speedup_sample: int = Field(2, ge=0, description=(
+        "per decoder, this many rows (once the tree is calibrated) are decoded a second time with plain AR decoding, "
+        "so the job summary states the speedup it measured; the AR answer is not written. 0: off"))
 
     def text_settings(self) -> dict:
         """What decides the output text, recorded in the output's marker: a resume must match it (drafter, tree

@@ -73,7 +73,20 @@ def steady_state(p: dict[str, Any]) -> dict[str, Any]:
     rows, tokens = p["rows"] - p.get("first_rows", 0), p["tokens"] - p.get("first_tokens", 0)
     out["steady_rows_per_s"] = rows / span if span > 0 else None
     out["steady_output_tokens_per_s"] = tokens / span if span > 0 else None
+    out["speedup_vs_ar"] = measured_speedup(p.get("speedup_samples") or [])
     return out
+
+
+def measured_speedup(samples: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The decoders' rows decoded both ways: AR time per token / speculative time per token over all of them,
+    and how many greedy ones gave the same answer (None when no row was sampled)."""
+    if not samples:
+        return None
+    spec = sum(s["spec_s"] for s in samples) / max(1, sum(s["spec_tokens"] for s in samples))
+    ar = sum(s["ar_s"] for s in samples) / max(1, sum(s["ar_tokens"] for s in samples))
+    greedy = [s["same"] for s in samples if s["same"] is not None]
+    return {"rows": len(samples), "speedup": ar / spec if spec > 0 else None,
+            "greedy_rows": len(greedy), "greedy_identical": sum(greedy)}
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -84,4 +97,12 @@ def format_summary(s: dict[str, Any]) -> str:
             f", {s['duplicates']} duplicates, {s['missing']} missing); this run {r['rows']} rows "
             f"({s['skipped_already_done']} already done) in {r['wall_seconds']:.1f} s, "
             f"{r['output_tokens_per_s'] or 0.0:.1f} output tok/s; errors: {kinds}; "
-            f"mean accepted/cycle {acc if acc is None else round(acc, 3)}")
+            f"mean accepted/cycle {acc if acc is None else round(acc, 3)}" + _speedup_text(r.get("speedup_vs_ar")))
+
+
+def _speedup_text(m: dict[str, Any] | None) -> str:
+    if not m or m["speedup"] is None:
+        return ""
+    same = (f"; greedy answers identical to AR on {m['greedy_identical']}/{m['greedy_rows']}"
+            if m["greedy_rows"] else "")
+    return f"; measured speedup over AR decoding {m['speedup']:.2f}x on {m['rows']} rows decoded both ways{same}"

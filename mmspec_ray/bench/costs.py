@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 from mmspec_ray.config import SamplingParams
+from mmspec_ray.spec.calibrate import verify_seconds  # what tree calibration measures, here reported on its own
 from mmspec_ray.spec.engine import AREngine
 from mmspec_ray.targets.base import Request, VLMTarget
 
@@ -27,25 +27,6 @@ def ar_step_seconds(target: VLMTarget, requests: list[Request], new_tokens: int 
         st = ar.generate(req, SamplingParams(), max_new_tokens=new_tokens).stats
         out.append(st.verify_s / max(1, st.cycles))
     return out
-
-
-def verify_seconds(target: VLMTarget, request: Request, sizes: tuple[int, ...], repeats: int = 7) -> dict[int, float]:
-    """Median time of one verify forward of a chain of n random tokens after the prompt, for each n in sizes."""
-    vocab = target.model.get_output_embeddings().weight.shape[0]
-    g = torch.Generator().manual_seed(0)
-    res = {}
-    for n in sizes:
-        times = []
-        for _ in range(repeats):
-            target.prefill(target.encode(request))
-            tokens = torch.randint(0, vocab, (n,), generator=g)
-            ancestors = torch.tril(torch.ones(n, n, dtype=torch.bool))
-            t0 = time.perf_counter()
-            target.verify(tokens, ancestors, torch.arange(n))
-            times.append(time.perf_counter() - t0)
-            target.commit([])
-        res[n] = statistics.median(times[2:])  # the first two are warm-ups
-    return res
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = ar_step_seconds(target, reqs)
     print(f"{a.target}, {a.threads} thread(s): AR step ms per prompt {[round(1e3 * s, 1) for s in steps]}, "
           f"median {1e3 * statistics.median(steps):.1f}")
-    v = verify_seconds(target, reqs[0], tuple(int(x) for x in a.sizes.split(",")))
+    v = verify_seconds(target, target.encode(reqs[0]), tuple(int(x) for x in a.sizes.split(",")))
     print("verify forward: " + ", ".join(f"n={n}: {1e3 * s:.1f} ms ({s / v[min(v)]:.2f}x)" for n, s in v.items()))
     return 0
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import platform
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from mmspec_ray.config import SamplingParams
 from mmspec_ray.drafters.base import load_drafter
 from mmspec_ray.drafters.ngram import NgramDrafter
 from mmspec_ray.drafters.oracle import OracleDrafter
+from mmspec_ray.spec.calibrate import auto_tree
 from mmspec_ray.spec.engine import AREngine, SpecEngine
 from mmspec_ray.spec.tree import TreeConfig
 from mmspec_ray.targets.base import Request, VLMTarget
@@ -44,6 +46,7 @@ class BenchConfig(BaseModel):
     tree: TreeConfig = TreeConfig()
     prompt_lookup_tokens: int = 10
     seed: int = 0
+    peers: bool = True  # False: AR and the given drafters only (tree sweeps)
 
 
 def _hf_runner(target: VLMTarget, req: Request, max_new_tokens: int, sampling: SamplingParams,
@@ -87,16 +90,55 @@ def _engine_runner(engine: SpecEngine, req: Request, max_new_tokens: int,
     return run
 
 
+def split_tree(spec: str) -> tuple[str, TreeConfig | str | None]:
+    """`DRAFTER@TREE` -> (DRAFTER, tree): TREE is `auto` (calibrated) or `kKdDnN` (top_k K, depth D, N tokens);
+    no `@`: (spec, None), the bench's tree."""
+    path, _, tree = spec.rpartition("@") if "@" in spec else (spec, "", "")
+    if not tree or tree == "auto":
+        return path, tree or None
+    m = re.fullmatch(r"k(\d+)d(\d+)n(\d+)", tree)
+    if not m:
+        raise ValueError(f"drafter {spec!r}: the tree after @ is auto or kKdDnN (e.g. k4d5n16)")
+    return path, TreeConfig(top_k=int(m[1]), depth=int(m[2]), total_tokens=int(m[3]))
+
+
+def calibrate_tree(target: VLMTarget, drafter, spec: str, requests: list[Request],
+                   max_new_tokens: int) -> tuple[TreeConfig, dict]:
+    """The calibrated tree for a bench method: from the cache, or by decoding the bench's prompts (greedy, untimed)
+    until the engine's calibrator has picked; with what it measured."""
+    t0 = time.perf_counter()
+    engine = SpecEngine(target, drafter, auto_tree(target, spec))
+    calibrator = engine.calibrator
+    for req in requests * 8:
+        if engine.calibrator is None:
+            break
+        engine.generate(req, SamplingParams(temperature=0.0), max_new_tokens=max_new_tokens)
+    if engine.calibrator is not None:  # too few whole probe cycles in these prompts: pick from what there is
+        engine.tree = engine.calibrator.pick()
+    info = {"seconds": time.perf_counter() - t0, "cached": calibrator is None}
+    if calibrator is not None and calibrator.result is not None:
+        info.update(calibrator.result.model_dump(mode="json", exclude={"key"}))
+    return engine.tree, info
+
+
 def run_bench(target: VLMTarget, requests: list[Request], drafters: dict[str, str] | str | None, cfg: BenchConfig,
               assistant=None) -> dict:
     """Measure every method on every request; returns the raw records and per-method summaries. `drafters`:
     {label: checkpoint dir} (a bare path is labelled eagle2, as before), all run interleaved per prompt."""
     if isinstance(drafters, str):
         drafters = {"eagle2": drafters}
-    loaded = {label: load_drafter(path, target) for label, path in (drafters or {}).items()}
     results: dict = {"config": cfg.model_dump(), "machine": platform.processor() or platform.machine(),
                      "torch_threads": torch.get_num_threads(), "dtype": str(target.dtype).removeprefix("torch."),
-                     "runs": []}
+                     "runs": [], "trees": {}}
+    loaded, trees = {}, {}
+    for label, spec in (drafters or {}).items():
+        path, tree = split_tree(spec)
+        loaded[label] = load_drafter(path, target)
+        if tree == "auto":
+            tree, results.setdefault("calibration", {})[label] = calibrate_tree(target, loaded[label], path,
+                                                                                requests, cfg.max_new_tokens)
+        trees[label] = tree or cfg.tree
+        results["trees"][label] = trees[label].model_dump()
     if assistant is not None:  # the HF assisted-generation peer's small model runs in the target's dtype
         assistant = assistant.to(device=target.device, dtype=target.dtype)
     ar = AREngine(target)
@@ -105,20 +147,20 @@ def run_bench(target: VLMTarget, requests: list[Request], drafters: dict[str, st
         for pi, req in enumerate(requests):
             ref = ar.generate(req, SamplingParams(), max_new_tokens=cfg.max_new_tokens)  # warm-up + oracle answer
             methods: dict[str, Callable[[], tuple[int, dict]]] = {
-                "ar": _engine_runner(ar, req, cfg.max_new_tokens, sampling),
-                "hf_generate": _hf_runner(target, req, cfg.max_new_tokens, sampling),
-                "hf_prompt_lookup": _hf_runner(target, req, cfg.max_new_tokens, sampling,
-                                               prompt_lookup_num_tokens=cfg.prompt_lookup_tokens),
-                "ngram": _engine_runner(SpecEngine(target, NgramDrafter(), cfg.tree), req, cfg.max_new_tokens,
-                                        sampling),
-            }
-            if assistant is not None:
+                "ar": _engine_runner(ar, req, cfg.max_new_tokens, sampling)}
+            if cfg.peers:
+                methods["hf_generate"] = _hf_runner(target, req, cfg.max_new_tokens, sampling)
+                methods["hf_prompt_lookup"] = _hf_runner(target, req, cfg.max_new_tokens, sampling,
+                                                         prompt_lookup_num_tokens=cfg.prompt_lookup_tokens)
+                methods["ngram"] = _engine_runner(SpecEngine(target, NgramDrafter(), cfg.tree), req,
+                                                  cfg.max_new_tokens, sampling)
+            if assistant is not None and cfg.peers:
                 methods["hf_assisted"] = _hf_runner(target, req, cfg.max_new_tokens, sampling,
                                                     assistant_model=assistant)
             for label, drafter in loaded.items():
-                methods[label] = _engine_runner(SpecEngine(target, drafter, cfg.tree), req, cfg.max_new_tokens,
-                                                sampling)
-            if temp == 0.0:
+                methods[label] = _engine_runner(SpecEngine(target, drafter, trees[label]), req,
+                                                cfg.max_new_tokens, sampling)
+            if temp == 0.0 and cfg.peers:
                 methods["oracle"] = _engine_runner(SpecEngine(target, OracleDrafter(ref.token_ids), cfg.tree), req,
                                                    cfg.max_new_tokens, sampling)
             for name, fn in list(methods.items()):  # warm-up of each path on this prompt

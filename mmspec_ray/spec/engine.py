@@ -13,6 +13,7 @@ from mmspec_ray.config import SamplingParams
 from mmspec_ray.drafters.base import Drafter
 from mmspec_ray.drafters.none import NoDrafter
 from mmspec_ray.spec.accept import accept
+from mmspec_ray.spec.calibrate import TreeCalibrator
 from mmspec_ray.spec.output import Generation, GenerationStats, OutputTracker
 from mmspec_ray.spec.processors import (HistoryProcessors, check_generation_config, effective_generation_config,
                                         resolve_sampling)
@@ -31,11 +32,13 @@ class SpecEngine:
     """Lossless tree speculative decoding, batch size 1. Decodes as the checkpoint's generation config says (HF
     generate's defaults, penalties, stop ids), request parameters over it; refuses a config it cannot reproduce."""
 
-    def __init__(self, target: VLMTarget, drafter: Drafter, tree: TreeConfig | None = None,
+    def __init__(self, target: VLMTarget, drafter: Drafter, tree: TreeConfig | TreeCalibrator | None = None,
                  tie_margin: float | None = None) -> None:
         self.target = target
         self.drafter = drafter
-        self.tree = tree or TreeConfig()
+        # a TreeCalibrator: decode with its probe tree until it has picked one (spec/calibrate.py)
+        self.calibrator = tree if isinstance(tree, TreeCalibrator) else None
+        self.tree = self.calibrator.probe if self.calibrator else (tree or TreeConfig())
         # greedy near-ties left to a one-token forward (spec/accept.py); None: by the target's dtype
         self.tie_margin = TIE_MARGIN.get(target.dtype, 0.0) if tie_margin is None else tie_margin
         check_generation_config(effective_generation_config(target.model))
@@ -61,6 +64,8 @@ class SpecEngine:
         gc = effective_generation_config(t.model)
         sampling = resolve_sampling(sampling or SamplingParams(), gc)
         inputs = t.encode(request)
+        if self.calibrator is not None:
+            self.calibrator.start_request(t, inputs)  # the cost curve once, on the first request, before its prefill
         n_prompt = inputs["input_ids"].shape[1]
         t.check_length(n_prompt, max_new_tokens)  # as HF: the answer must fit; the tree shrinks near the end
         gen = make_generator(sampling, t.device)  # acceptance runs where the logits are
@@ -84,14 +89,22 @@ class SpecEngine:
         stats.draft_s += stats.drafter_prefill_s
         passes0 = int(getattr(d, "passes", 0))  # the drafter's forward count (drafters that keep one)
         single = False  # the next cycle verifies the root alone (a near-tie left to a one-token forward)
+        observe_s = 0.0  # the drafter's time in observe after the previous cycle (a draft cost of this one)
         while True:
             td = time.perf_counter()
             room = t.max_context - t.seq_len  # cache slots left; >= remaining + 1 >= 2 by check_length
-            tree = DraftTree.chain([root]) if single else (
+            probing = False
+            if self.calibrator is not None:  # calibrating: a probe cycle to record, or the tree picked so far
+                p = self.calibrator.probe  # recorded only when verified whole (nodes reach depth + 1)
+                whole = not single and room >= p.total_tokens and tracker.remaining - 2 >= p.depth
+                self.tree, probing = self.calibrator.next_cycle(whole)
+            drafting = not single and self.tree.total_tokens > 1  # a 1-token tree: a plain AR step
+            tree = DraftTree.chain([root]) if not drafting else (
                 d.propose(root, self._fit(room)).truncate(tracker.remaining - 1)  # deeper: never emitted
                 .head(room))  # the verified tree must fit the context
             tv = time.perf_counter()
-            stats.draft_passes = int(getattr(d, "passes", 0)) - passes0
+            passes = int(getattr(d, "passes", 0)) - passes0
+            cycle_passes, stats.draft_passes = passes - stats.draft_passes, passes
             ancestors = tree.ancestors  # [n, n] the tree mask, also each node's history for the processors
             v = t.verify(tree.tokens, ancestors, tree.depth)
             ta = time.perf_counter()
@@ -105,6 +118,10 @@ class SpecEngine:
             stats.cycles += 1
             stats.tie_cycles += single
             stats.accepted_per_cycle.append(len(path) - 1)
+            if probing and not single:  # (a near-tie cut the path: not a record)
+                picked = self.calibrator.observe(tree, path, tv - td, observe_s, cycle_passes)
+                if picked is not None:
+                    self.tree, self.calibrator = picked, None
             stats.draft_s += tv - td
             stats.verify_s += ta - tv
             n_before = len(tracker.ids)
@@ -116,10 +133,13 @@ class SpecEngine:
             if done:
                 break
             to = time.perf_counter()
-            if keep:
+            if keep and self.tree.total_tokens > 1:  # a drafter never asked again (a 1-token tree) needs no news
                 d.observe(tree.tokens[keep].tolist(), v.hidden[0, keep], nxt)
-            stats.draft_s += time.perf_counter() - to
+            observe_s = time.perf_counter() - to
+            stats.draft_s += observe_s
             root = nxt
+        if self.calibrator is not None:
+            self.calibrator.end_request()
         return self._finish(tracker, stats, t0)
 
     def _fit(self, room: int) -> TreeConfig:

@@ -16,7 +16,8 @@ class TreeConfig(BaseModel):
 
     top_k: int = Field(8, ge=1)
     depth: int = Field(5, ge=1, description="draft levels below the root")
-    total_tokens: int = Field(48, ge=2, description="tree size including the root")
+    total_tokens: int = Field(48, ge=1, description="tree size including the root; 1: no drafting, plain AR steps "
+                              "(what calibration picks where no tree pays)")
 
 
 @dataclass(frozen=True)

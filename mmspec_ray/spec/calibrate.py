@@ -1,0 +1,349 @@
+"""A draft tree sized to the hardware and the drafter: measure, once per (target, drafter, device), what a verify
+forward of n tokens costs and how many tokens the drafter gets accepted, then pick the tree with the most tokens
+per second.
+
+Why: a verify forward of n tokens is almost free on a big GPU and costs 2-3x a one-token step on a CPU, so no fixed
+tree is right everywhere (docs/benchmarks.md, "Tree calibration").
+
+How, without extra decoding work: the engine decodes its first requests with a large probe tree (top-k 8, depth 8,
+64 tokens). Each cycle records the proposed tree and the accepted path. The tree EAGLE-2 growth would build with a
+smaller `total_tokens` and `depth` is the best-scoring subset of the probe's candidates, so the tokens it would have
+accepted are read off the record: exact at T = 0 while the probe kept enough nodes, an estimate when sampling and
+for a smaller `top_k` (the growth is replayed on the recorded candidates). A verify-cost curve measured on the first
+request gives each tree's cycle time; the pick maximises (accepted + 1) / (verify(n) + draft(depth)). The result
+is cached under $MMSPEC_HOME/calibration/ and reused by every later engine with the same key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel
+
+from mmspec_ray.spec.tree import DraftTree, TreeConfig, depths
+
+log = logging.getLogger(__name__)
+
+PROBE = TreeConfig(top_k=8, depth=8, total_tokens=64)
+COST_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+PROBE_CYCLES = 64  # whole probe cycles recorded before the final pick ...
+PROBE_PER_REQUEST = 12  # ... at most this many from one request (the rest of it decodes with the pick so far) ...
+PROBE_EVERY = 3  # ... one cycle in this many, so that they span the answer (its start is the easiest part)
+FALLBACK = TreeConfig(top_k=4, depth=4, total_tokens=12)  # before the first record (e.g. answers too short to probe)
+MIN_GAIN = 1.02  # a tree must beat a plain one-token step by this much (predicted) to be drafted at all
+TIE = 0.01  # predicted speedups this close count as equal: the smaller tree wins
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def verify_seconds(target: Any, inputs: dict, sizes: tuple[int, ...] = COST_SIZES, repeats: int = 9,
+                   warmup: int = 2) -> dict[int, float]:
+    """Seconds of one verify forward of a chain of n random tokens after the encoded prompt `inputs`, for each n in
+    sizes: sizes interleaved round by round (so drift hits them alike), the median per size, then made
+    non-decreasing in n (a bigger forward never costs less; a noisy dip must not pick a tree). Leaves the target's
+    cache holding the prompt (the caller prefills again)."""
+    vocab = target.model.get_output_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    target.prefill(inputs)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(warmup + repeats):
+        for n in sizes:
+            tokens = torch.randint(0, vocab, (n,), generator=g)
+            ancestors = torch.tril(torch.ones(n, n, dtype=torch.bool))
+            _sync(target.device)
+            t0 = time.perf_counter()
+            target.verify(tokens, ancestors, torch.arange(n))
+            _sync(target.device)
+            times[n].append(time.perf_counter() - t0)
+            target.commit([])  # drop the chain: the cache holds the prompt again
+    return monotone({n: statistics.median(ts[warmup:]) for n, ts in times.items()})
+
+
+def monotone(costs: dict[int, float]) -> dict[int, float]:
+    """The closest non-decreasing curve (least squares, pool-adjacent-violators) to costs by size."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for n in sorted(costs):
+        blocks.append([costs[n], 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, c2 = blocks.pop()
+            m1, c1 = blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    out = [m for m, c in blocks for _ in range(int(c))]
+    return dict(zip(sorted(costs), out))
+
+
+def interpolate(costs: dict[int, float], n: int) -> float:
+    """Verify seconds for n tokens, linear between the measured sizes (flat beyond the largest)."""
+    xs = sorted(costs)
+    if n <= xs[0]:
+        return costs[xs[0]]
+    for a, b in zip(xs, xs[1:]):
+        if n <= b:
+            return costs[a] + (costs[b] - costs[a]) * (n - a) / (b - a)
+    return costs[xs[-1]] * n / xs[-1]
+
+
+def grown_subset(tree: DraftTree, top_k: int, depth: int) -> list[int]:
+    """The probe tree's nodes that EAGLE-2 growth with this top_k and depth would create, best score first:
+    each level takes the top_k children of the previous level's top_k best nodes (replayed on what was recorded,
+    so a node the probe did not keep is missing: the estimate errs low). As in growth, the root's children come
+    from the target and each of `depth` drafter steps adds a level: nodes reach depth + 1."""
+    kids = tree.children()  # best score first
+    scores = tree.scores.tolist()
+    frontier, cand = [0], []
+    for _ in range(depth + 1):
+        level = [c for p in frontier for c in kids[p][:top_k]]
+        if not level:
+            break
+        cand += level
+        frontier = sorted(level, key=lambda c: -scores[c])[:top_k]
+    cand.sort(key=lambda c: (-scores[c], c))
+    return cand
+
+
+def accepted_by_size(tree: DraftTree, path: list[int], top_k: int, depth: int, max_tokens: int) -> list[int]:
+    """acc[n] for n in 0..max_tokens: draft tokens of `path` (accepted in the probe tree, root first) that a tree
+    of n tokens (root included) grown with top_k / depth would also hold as a prefix of the path."""
+    rank = {c: i for i, c in enumerate(grown_subset(tree, top_k, depth))}
+    acc = [0] * (max_tokens + 1)
+    worst = -1
+    for j, node in enumerate(path[1:], start=1):
+        if node not in rank:
+            break
+        worst = max(worst, rank[node])
+        for n in range(worst + 2, max_tokens + 1):  # a tree of n tokens keeps the n - 1 best candidates
+            acc[n] = j
+    return acc
+
+
+class TreePick(BaseModel):
+    """A calibration's result, as cached: the tree, and the evidence for it."""
+
+    tree: TreeConfig
+    predicted_speedup: float  # over a one-token step, from the measured costs and the recorded acceptance
+    tokens_per_forward: float
+    verify_ms: dict[int, float]
+    draft_ms_per_level: float
+    draft_ms_per_cycle: float  # the drafter's observe of the accepted tokens, whatever the tree
+    probe: TreeConfig
+    probe_cycles: int
+    key: dict[str, Any]
+    created: float
+
+
+def predict(records: list[tuple[DraftTree, list[int]]], costs: dict[int, float], draft_s_per_level: float,
+            tree: TreeConfig, draft_s_per_cycle: float = 0.0) -> tuple[float, float]:
+    """(speedup over a one-token step, tokens per forward) that `tree` would give, from the probe records."""
+    return _table(records, costs, draft_s_per_level, draft_s_per_cycle, tree.top_k, tree.depth,
+                  tree.total_tokens)[tree.total_tokens]
+
+
+def _table(records, costs, draft_s_per_level, draft_s_per_cycle, k, d, max_tokens) -> dict[int, tuple[float, float]]:
+    """{n: (predicted speedup, tokens per forward)} of the trees of n = 2..max_tokens with this top_k and depth."""
+    acc = [0.0] * (max_tokens + 1)
+    for tree, path in records:
+        for n, a in enumerate(accepted_by_size(tree, path, k, d, max_tokens)):
+            acc[n] += a
+    one = costs[min(costs)]
+    out = {}
+    for n in range(2, max_tokens + 1):
+        tpf = 1.0 + acc[n] / max(1, len(records))
+        out[n] = (tpf * one / (interpolate(costs, n) + draft_s_per_level * d + draft_s_per_cycle), tpf)
+    return out
+
+
+def pick_tree(records: list[tuple[DraftTree, list[int]]], costs: dict[int, float], draft_s_per_level: float,
+              probe: TreeConfig = PROBE, draft_s_per_cycle: float = 0.0, min_gain: float = MIN_GAIN,
+              tie: float = TIE) -> TreePick:
+    """The tree with the highest predicted tokens per second, where trees within `tie` of the best go to the
+    smallest (total_tokens, then depth, then top_k): the prediction is not finer than that. Where no tree beats a
+    plain one-token step by `min_gain`, the pick is the 1-token tree: no drafting."""
+    table = [(speedup, tpf, TreeConfig(top_k=k, depth=d, total_tokens=n))
+             for k in range(1, probe.top_k + 1) for d in range(1, probe.depth + 1)
+             for n, (speedup, tpf) in _table(records, costs, draft_s_per_level, draft_s_per_cycle, k, d,
+                                             probe.total_tokens).items()]
+    top = max(s for s, _, _ in table)
+    if top < min_gain:
+        speedup, tpf, tree = 1.0, 1.0, TreeConfig(top_k=1, depth=1, total_tokens=1)
+    else:
+        speedup, tpf, tree = min((row for row in table if row[0] >= top / (1 + tie)),
+                                 key=lambda r: (r[2].total_tokens, r[2].depth, r[2].top_k))
+    return TreePick(tree=tree, predicted_speedup=speedup, tokens_per_forward=tpf,
+                    verify_ms={n: 1e3 * s for n, s in costs.items()}, draft_ms_per_level=1e3 * draft_s_per_level,
+                    draft_ms_per_cycle=1e3 * draft_s_per_cycle, probe=probe, probe_cycles=len(records), key={},
+                    created=time.time())
+
+
+def device_name(device: torch.device) -> str:
+    """What the costs depend on: the accelerator, or the CPU model and the torch thread count."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {torch.get_num_threads()} threads"
+
+
+def calibration_dir() -> Path:
+    return Path(os.environ.get("MMSPEC_HOME", Path.home() / ".cache" / "mmspec")) / "calibration"
+
+
+def calibration_key(target: Any, drafter: str) -> dict[str, str]:
+    return {"target": str(getattr(target.model, "name_or_path", "") or type(target.model).__name__),
+            "drafter": drafter, "device": device_name(target.device), "dtype": str(target.dtype),
+            "torch": torch.__version__}
+
+
+def _cache_path(key: dict[str, str], suffix: str = ".json") -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return calibration_dir() / f"{digest}{suffix}"
+
+
+def cached_pick(key: dict[str, str]) -> TreePick | None:
+    p = _cache_path(key)
+    try:
+        pick = TreePick.model_validate_json(p.read_text())
+    except (OSError, ValueError):
+        return None
+    return pick if pick.key == key else None
+
+
+@dataclass
+class TreeCalibrator:
+    """The engine's tree while calibrating. One cycle in `every` uses the probe and is recorded, up to
+    `per_request` per request (so the records span the answers and several requests); the other cycles use the
+    pick from the records so far. Once `cycles` are in, the pick is final and cached; until then the records outlive the process (a
+    `.partial.json` beside the cache), so one-request runs such as `mmspec generate` calibrate over several runs."""
+
+    key: dict[str, str]
+    probe: TreeConfig = PROBE
+    cycles: int = PROBE_CYCLES
+    per_request: int = PROBE_PER_REQUEST
+    every: int = PROBE_EVERY
+    fallback: TreeConfig = FALLBACK
+    costs: dict[int, float] | None = None
+    records: list[tuple[DraftTree, list[int]]] = field(default_factory=list)
+    propose_s: float = 0.0
+    observe_s: float = 0.0
+    levels: int = 0
+    this_request: int = 0
+    cycle: int = 0  # cycles of this request so far
+    provisional: TreeConfig | None = None
+    result: TreePick | None = None
+
+    def start_request(self, target: Any, inputs: dict) -> None:
+        """Before the engine's prefill: the verify-cost curve (first request only, on its prompt)."""
+        if self.costs is None:
+            sizes = tuple(n for n in COST_SIZES if n <= self.probe.total_tokens)
+            self.costs = verify_seconds(target, inputs, sizes)
+        self.this_request, self.cycle, self.provisional = 0, 0, None
+
+    def next_cycle(self, whole: bool) -> tuple[TreeConfig, bool]:
+        """The tree of the coming cycle, and whether it is a probe cycle to record. `whole`: a probe tree would be
+        verified whole (enough tokens and cache left). One such cycle in `every` probes; the others use the pick
+        from the records so far (made once per request), or `fallback` before any record."""
+        probe = whole and self.this_request < self.per_request and self.cycle % self.every == 0
+        self.cycle += 1
+        if probe:
+            return self.probe, True
+        if not self.records:
+            return self.fallback, False
+        if self.provisional is None:
+            self.provisional = self._pick().tree
+        return self.provisional, False
+
+    def observe(self, tree: DraftTree, path: list[int], propose_s: float, observe_s: float,
+                passes: int) -> TreeConfig | None:
+        """Record one whole probe cycle (its draft time: the proposal, per drafter step, and the drafter's observe
+        of the previous cycle, per cycle); returns the final tree once `cycles` are in."""
+        self.records.append((tree, path))
+        self.this_request += 1
+        self.propose_s += propose_s
+        self.observe_s += observe_s
+        self.levels += passes if passes else self.probe.depth
+        return self.pick() if len(self.records) >= self.cycles else None
+
+    def end_request(self) -> None:
+        """After a request, while not done: keep the records for the next process."""
+        _write(_cache_path(self.key, ".partial.json"), json.dumps({
+            "key": self.key, "probe": self.probe.model_dump(), "costs": self.costs, "propose_s": self.propose_s,
+            "observe_s": self.observe_s, "levels": self.levels,
+            "records": [[t.tokens.tolist(), t.parents.tolist(), t.scores.tolist(), p] for t, p in self.records]}))
+
+    @classmethod
+    def resume(cls, key: dict[str, str]) -> "TreeCalibrator":
+        """A calibrator holding what earlier processes recorded for this key (a fresh one when there is none)."""
+        try:
+            saved = json.loads(_cache_path(key, ".partial.json").read_text())
+            if saved["key"] != key or TreeConfig(**saved["probe"]) != PROBE:
+                return cls(key)
+            records = [(DraftTree(torch.tensor(tok), torch.tensor(par), depths(torch.tensor(par)),
+                                  torch.tensor(sc)), path) for tok, par, sc, path in saved["records"]]
+            costs = {int(n): c for n, c in saved["costs"].items()} if saved["costs"] else None
+            return cls(key, costs=costs, records=records, propose_s=saved["propose_s"],
+                       observe_s=saved["observe_s"], levels=saved["levels"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return cls(key)
+
+    def _pick(self) -> TreePick:
+        assert self.costs is not None and self.records
+        pick = pick_tree(self.records, self.costs, self.propose_s / max(1, self.levels), self.probe,
+                         self.observe_s / len(self.records))
+        return pick.model_copy(update={"key": self.key})
+
+    def pick(self) -> TreeConfig:
+        """The final pick: cached, logged, the partial records dropped."""
+        self.result = pick = self._pick()
+        path = _cache_path(self.key)
+        _write(path, pick.model_dump_json(indent=1))
+        _cache_path(self.key, ".partial.json").unlink(missing_ok=True)
+        log.info("tree calibrated for %s: top_k %d, depth %d, %d tokens; predicted %.2fx over a one-token step "
+                 "(%.2f tokens per forward; verify of %d tokens = %.2fx a one-token forward; %d probe cycles); "
+                 "cached in %s", self.key["drafter"], pick.tree.top_k, pick.tree.depth, pick.tree.total_tokens,
+                 pick.predicted_speedup, pick.tokens_per_forward, pick.tree.total_tokens,
+                 interpolate(self.costs, pick.tree.total_tokens) / self.costs[min(self.costs)], len(self.records),
+                 path)
+        return pick.tree
+
+
+def _write(path: Path, text: str) -> None:
+    """Atomic: a reader (another actor on this node) sees the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def auto_tree(target: Any, drafter: str, recalibrate: bool = False) -> TreeConfig | TreeCalibrator:
+    """The calibrated tree for (target, drafter, this device) from the cache, or a calibrator that finds it while
+    the engine decodes its first requests. `drafter` is the drafter's spec (method name or checkpoint path)."""
+    if not drafter or drafter == "none":
+        return TreeConfig(top_k=1, depth=1, total_tokens=1)
+    key = calibration_key(target, drafter)
+    if recalibrate:
+        _cache_path(key, ".partial.json").unlink(missing_ok=True)
+        return TreeCalibrator(key)
+    pick = cached_pick(key)
+    if pick is not None:
+        log.info("tree for %s from the calibration cache: top_k %d, depth %d, %d tokens (predicted %.2fx)", drafter,
+                 pick.tree.top_k, pick.tree.depth, pick.tree.total_tokens, pick.predicted_speedup)
+        return pick.tree
+    return TreeCalibrator.resume(key)

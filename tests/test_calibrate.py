@@ -1,0 +1,173 @@
+"""Tree calibration (spec/calibrate.py): what a probe record says about a smaller tree is what that smaller tree
+does; the pick follows the cost curve; the engine stays lossless while probing and caches its pick."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mmspec_ray.drafters.eagle import Eagle2Drafter
+from mmspec_ray.spec import calibrate
+from mmspec_ray.spec.calibrate import (TreeCalibrator, accepted_by_size, auto_tree, grown_subset, monotone,
+                                       pick_tree)
+from mmspec_ray.spec.engine import AREngine, SpecEngine
+from mmspec_ray.spec.tree import DraftTree, TreeConfig, grow_dynamic_tree
+from mmspec_ray.targets import Request
+from families import build_target
+from tiny import random_images
+
+VOCAB = 12
+
+
+def path_step(root: int, seed: int):
+    """A deterministic drafter: a node's next-token log-probs depend only on its token path, so two growths of
+    different sizes see the same distribution at the same node."""
+    expanded: list[tuple[int, ...]] = []
+
+    def step(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        out = []
+        for tok, par in zip(tokens.tolist(), parents.tolist()):
+            p = (expanded[par] if par >= 0 else (root,)) + (tok,)
+            expanded.append(p)
+            g = torch.Generator().manual_seed(hash((seed,) + p) % (2 ** 31))
+            out.append(torch.log_softmax(3 * torch.randn(VOCAB, generator=g), -1))
+        return torch.stack(out)
+
+    return step
+
+
+def grow(seed: int, cfg: TreeConfig) -> DraftTree:
+    root_logp = torch.log_softmax(3 * torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed)), -1)
+    return grow_dynamic_tree(0, root_logp, path_step(0, seed), cfg)
+
+
+def token_paths(tree: DraftTree, nodes: list[int]) -> set[tuple[int, ...]]:
+    par, tok = tree.parents.tolist(), tree.tokens.tolist()
+
+    def path(i: int) -> tuple[int, ...]:
+        return () if i == 0 else path(par[i]) + (tok[i],)
+
+    return {path(i) for i in nodes}
+
+
+def walk(tree: DraftTree, seed: int) -> list[int]:
+    """A random root-to-node path through the tree: the 'accepted path' of a made-up target."""
+    g = torch.Generator().manual_seed(seed)
+    kids, path = tree.children(), [0]
+    while kids[path[-1]] and torch.rand(1, generator=g).item() < 0.85:
+        k = kids[path[-1]]
+        path.append(k[int(torch.randint(0, min(2, len(k)), (1,), generator=g))])
+    return path
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_probe_record_gives_the_smaller_trees_exactly(seed):
+    """Same top_k, any depth / size: the smaller grown tree is the probe's best-scoring subset (the probe keeps its
+    whole candidate pool here), and the accepted prefix read off the record is what the smaller tree holds."""
+    k, depth = 3, 4
+    probe = grow(seed, TreeConfig(top_k=k, depth=depth, total_tokens=1 + k + depth * k * k))
+    path = walk(probe, seed)
+    for d in range(1, depth + 1):
+        for n in (2, 3, 5, 8, 13, 21):
+            small = grow(seed, TreeConfig(top_k=k, depth=d, total_tokens=n))
+            sub = grown_subset(probe, k, d)[:n - 1]
+            assert token_paths(probe, sub) == token_paths(small, list(range(1, small.size))), (d, n)
+            held = token_paths(small, list(range(1, small.size)))
+            want = 0
+            for j in range(1, len(path)):
+                if token_paths(probe, [path[j]]).pop() not in held:
+                    break
+                want = j
+            assert accepted_by_size(probe, path, k, d, 21)[n] == want, (d, n)
+
+
+def records(n: int = 20) -> list[tuple[DraftTree, list[int]]]:
+    """Probe-shaped records whose accepted path takes one of the two best children at random, often deep: a wider
+    and deeper tree holds more of it."""
+    out = []
+    for s in range(n):
+        t = grow(100 + s, calibrate.PROBE)
+        out.append((t, walk(t, s)))
+    return out
+
+
+def test_the_pick_follows_the_cost_of_a_verify_forward():
+    recs = records()
+    flat = {n: 0.010 for n in calibrate.COST_SIZES}  # a GPU-like verify: size is free
+    steep = {n: 0.010 * n ** 1.5 for n in calibrate.COST_SIZES}  # each token costs over a step: no tree pays
+    cpu = {n: 0.010 * (1 + n / 12) for n in calibrate.COST_SIZES}  # in between
+    big, small, mid = (pick_tree(recs, c, draft_s_per_level=0.0005) for c in (flat, steep, cpu))
+    assert small.tree.total_tokens == 1 and small.predicted_speedup == 1.0  # no tree pays: no drafting
+    assert big.tree.total_tokens > mid.tree.total_tokens >= 3 and big.tree.top_k >= 2
+    assert big.tokens_per_forward > mid.tokens_per_forward > 1.0
+    assert big.predicted_speedup > mid.predicted_speedup > 1.0
+    costly_draft = pick_tree(recs, flat, draft_s_per_level=0.02)  # a drafter level costs 2 verifies: go shallow
+    assert costly_draft.tree.depth < big.tree.depth
+
+
+def test_the_engine_stays_lossless_while_it_calibrates_and_caches_its_pick(tmp_path, monkeypatch):
+    monkeypatch.setenv("MMSPEC_HOME", str(tmp_path))
+    monkeypatch.setattr(calibrate, "PROBE", TreeConfig(top_k=4, depth=4, total_tokens=24))  # small: a fast test
+    torch.manual_seed(0)
+    target = build_target("llava")
+    reqs = [Request(prompt=p, images=tuple(random_images(1, seed=s))) for s, p in
+            enumerate(["describe the image", "what is shown", "list the objects", "the colours?"])]
+    ar = AREngine(target)
+    want = [ar.generate(r, max_new_tokens=32).token_ids for r in reqs]
+
+    def calibrator() -> TreeCalibrator:
+        c = auto_tree(target, "eagle2-random-test")
+        assert isinstance(c, TreeCalibrator)
+        c.probe, c.cycles, c.per_request, c.every = calibrate.PROBE, 7, 3, 2
+        return c
+
+    first = calibrator()
+    engine = SpecEngine(target, Eagle2Drafter.random(target, seed=1), first)
+    assert engine.generate(reqs[0], max_new_tokens=32).token_ids == want[0]
+    assert len(first.records) == 3 and engine.calibrator is first  # a request's share recorded, not yet done
+    again = calibrator()  # a new process resumes the records
+    assert len(again.records) == 3 and again.costs == first.costs
+    assert [(t.tokens.tolist(), p) for t, p in again.records] == [(t.tokens.tolist(), p) for t, p in first.records]
+    engine = SpecEngine(target, Eagle2Drafter.random(target, seed=1), again)
+    got = [engine.generate(r, max_new_tokens=32).token_ids for r in reqs[1:]]
+    assert got == want[1:]  # probing, the provisional and the final tree: the output is AR's
+    assert engine.calibrator is None and again.result is not None and engine.tree == again.result.tree
+    assert again.result.probe_cycles == 7 and set(again.costs) == {1, 2, 4, 8, 12, 16, 24}
+    assert all(a <= b for a, b in zip(list(again.costs.values()), list(again.costs.values())[1:]))
+    assert auto_tree(target, "eagle2-random-test") == again.result.tree  # a later engine: the cache, no probing
+    saved = json.loads((tmp_path / "calibration").joinpath(
+        calibrate._cache_path(again.key).name).read_text())
+    assert saved["key"]["drafter"] == "eagle2-random-test" and not list((tmp_path / "calibration").glob("*.partial*"))
+    assert isinstance(auto_tree(target, "eagle2-random-test", recalibrate=True), TreeCalibrator)
+    assert isinstance(auto_tree(target, "other-drafter"), TreeCalibrator)  # keyed by drafter
+    assert auto_tree(target, "none") == TreeConfig(top_k=1, depth=1, total_tokens=1)
+
+
+def test_measured_costs_never_fall_with_size():
+    assert monotone({1: 5.0, 2: 8.0, 4: 7.0, 8: 9.0}) == {1: 5.0, 2: 7.5, 4: 7.5, 8: 9.0}
+    assert monotone({1: 3.0, 2: 2.0, 4: 1.0}) == {1: 2.0, 2: 2.0, 4: 2.0}
+    assert monotone({1: 1.0, 4: 2.0}) == {1: 1.0, 4: 2.0}
+
+
+class Refuses:
+    """A drafter that must never be asked: a 1-token tree is a plain AR step."""
+
+    def begin(self, target, prefill, root):
+        pass
+
+    def propose(self, root, cfg):
+        raise AssertionError("propose called for a 1-token tree")
+
+    def observe(self, tokens, hidden, bonus):
+        raise AssertionError("observe called for a 1-token tree")
+
+
+def test_a_one_token_tree_decodes_as_ar_without_the_drafter():
+    torch.manual_seed(0)
+    target = build_target("llava")
+    req = Request(prompt="describe the image", images=tuple(random_images(1, seed=4)))
+    want = AREngine(target).generate(req, max_new_tokens=20)
+    got = SpecEngine(target, Refuses(), TreeConfig(top_k=1, depth=1, total_tokens=1)).generate(req, max_new_tokens=20)
+    assert got.token_ids == want.token_ids and got.stats.cycles == want.stats.cycles
