@@ -153,3 +153,22 @@ def test_bench_plots_show_the_summary_the_histogram_and_the_cycle_split(tmp_path
     for name in ("speedup.png", "accepted.png", "cycle.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
         assert f"({name})" in (out / "bench.md").read_text()
+
+
+def test_cycle_profile_splits_generate_into_forwards_and_the_engines_own_work():
+    from mmspec_ray.bench.profile import profile
+    from mmspec_ray.drafters.eagle import Eagle2Drafter
+    from mmspec_ray.spec.engine import SpecEngine
+
+    target = wrap(*tiny_llava())
+    reqs = [Request(prompt="describe the image", images=tuple(random_images(1, seed=s))) for s in range(2)]
+    engine = SpecEngine(target, Eagle2Drafter.random(target, seed=1), TreeConfig(top_k=2, depth=2, total_tokens=6))
+    res = profile(engine, reqs, max_new_tokens=12)
+    total = res["generate (total)"]
+    assert total > 0 and all(v >= 0 for v in res.values())
+    for part in ("target verify forward", "target prefill", "drafter propose (its forwards + tree growth)",
+                 "drafter observe", "acceptance", "KV commit"):
+        assert 0 < res[part] < total, part
+    assert res["target verify forward"] + res["target prefill"] + res["drafter propose (its forwards + tree growth)"] \
+        <= total
+    assert res["tree growth's own Python"] < res["drafter propose (its forwards + tree growth)"]

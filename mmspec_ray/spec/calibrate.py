@@ -3,15 +3,15 @@ forward of n tokens costs and how many tokens the drafter gets accepted, then pi
 per second.
 
 Why: a verify forward of n tokens is almost free on a big GPU and costs 2-3x a one-token step on a CPU, so no fixed
-tree is right everywhere (docs/benchmarks.md, "Tree calibration").
+tree is right everywhere (docs/engine.md, "Tree calibration"; measured in docs/benchmarks.md).
 
-How, without extra decoding work: the engine decodes its first requests with a large probe tree (top-k 8, depth 8,
-64 tokens). Each cycle records the proposed tree and the accepted path. The tree EAGLE-2 growth would build with a
-smaller `total_tokens` and `depth` is the best-scoring subset of the probe's candidates, so the tokens it would have
-accepted are read off the record: exact at T = 0 while the probe kept enough nodes, an estimate when sampling and
-for a smaller `top_k` (the growth is replayed on the recorded candidates). A verify-cost curve measured on the first
-request gives each tree's cycle time; the pick maximises (accepted + 1) / (verify(n) + draft(depth)). The result
-is cached under $MMSPEC_HOME/calibration/ and reused by every later engine with the same key.
+How, without decoding work of its own: while calibrating, the engine decodes one cycle in `PROBE_EVERY` with a
+large probe tree and records the proposed tree and the accepted path. The tree EAGLE-2 growth would build with a
+smaller `total_tokens` and `depth` is the best-scoring subset of the probe's candidates, so what it would have
+accepted is read off the record: exact at T = 0 while the probe kept enough nodes, an estimate when sampling and
+for a smaller `top_k` (the growth is replayed on the recorded candidates). A verify-cost curve measured before the
+first request's prefill gives each tree's cycle time; the pick maximises tokens per forward / cycle time. It is
+cached under $MMSPEC_HOME/calibration/ and reused by every later engine with the same key.
 """
 
 from __future__ import annotations
