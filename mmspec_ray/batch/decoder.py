@@ -56,6 +56,7 @@ class SpecDecoder:
         self.progress = progress  # optional ProgressTracker actor handle
         self.ar_left = cfg.speedup_sample  # rows still to decode with AR too (the summary's measured speedup)
         self.samples: list[dict[str, Any]] = []  # those rows' timings, not yet reported
+        self.rows_done = 0  # rows this decoder has decoded (or tried to)
         self.max_row_crashes = max_row_crashes  # with `progress`: file a row that killed this many decoders
         self.load_seconds = time.perf_counter() - t0
         log.info("decoder ready: target %s (%s, %s), drafter %s, %.1f s", cfg.target, self.device, self.dtype,
@@ -100,6 +101,9 @@ class SpecDecoder:
 
     def _generate(self, request: Request, row_id: Any) -> dict[str, Any]:
         cfg = self.config
+        # a row that calibrates the tree, or the decoder's first (cold caches, lazy inits), is no fair speed sample
+        settled = self.engine.calibrator is None and self.rows_done > 0
+        self.rows_done += 1
         try:
             gen = self.engine.generate(request, cfg.sampling_for(row_id), cfg.max_new_tokens, cfg.stop)
         except PromptTooLong as e:
@@ -111,7 +115,7 @@ class SpecDecoder:
         except Exception as e:  # a bug or a device error on one row must not end the job
             log.exception("row %r failed", row_id)
             return error_output(f"internal: {type(e).__name__}: {e}", "internal")
-        if self.ar_left > 0 and self.engine.calibrator is None:
+        if self.ar_left > 0 and settled:
             self._sample_ar(request, row_id, gen)
         return {
             "output_text": gen.text,
