@@ -171,3 +171,21 @@ def test_a_one_token_tree_decodes_as_ar_without_the_drafter():
     want = AREngine(target).generate(req, max_new_tokens=20)
     got = SpecEngine(target, Refuses(), TreeConfig(top_k=1, depth=1, total_tokens=1)).generate(req, max_new_tokens=20)
     assert got.token_ids == want.token_ids and got.stats.cycles == want.stats.cycles
+
+
+def test_between_probe_cycles_the_drafter_keeps_up_even_when_the_pick_so_far_is_no_drafting():
+    """The oracle tracks its place through observe: every probe cycle accepts its whole chain only if the drafter
+    was told about the cycles that used the 1-token tree in between."""
+    from mmspec_ray.drafters.oracle import OracleDrafter
+
+    torch.manual_seed(0)
+    target = build_target("llava")
+    req = Request(prompt="describe the image", images=tuple(random_images(1, seed=5)))
+    answer = AREngine(target).generate(req, max_new_tokens=48).token_ids
+    cal = TreeCalibrator({"drafter": "oracle-test"}, probe=TreeConfig(top_k=1, depth=3, total_tokens=8),
+                         cycles=10 ** 6, per_request=10 ** 6, every=3)
+    cal.costs = {1: 1.0, 2: 3.0, 8: 24.0}  # every tree costs more than it can save: the pick so far is no drafting
+    got = SpecEngine(target, OracleDrafter(answer), cal).generate(req, max_new_tokens=48)
+    assert got.token_ids == answer
+    assert len(cal.records) >= 3 and cal.provisional == TreeConfig(top_k=1, depth=1, total_tokens=1)
+    assert all(len(path) == tree.size for tree, path in cal.records)  # every probe chain accepted whole

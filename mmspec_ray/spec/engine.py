@@ -133,7 +133,8 @@ class SpecEngine:
             if done:
                 break
             to = time.perf_counter()
-            if keep and self.tree.total_tokens > 1:  # a drafter never asked again (a 1-token tree) needs no news
+            if keep and (self.tree.total_tokens > 1 or self.calibrator is not None):  # a drafter never asked
+                # again (the final pick is the 1-token tree) needs no news; a calibrating one may probe again
                 d.observe(tree.tokens[keep].tolist(), v.hidden[0, keep], nxt)
             observe_s = time.perf_counter() - to
             stats.draft_s += observe_s
