@@ -26,10 +26,14 @@ _S3_ENV = {
 
 def pytest_configure(config) -> None:
     """Tiny models are dominated by per-op overhead: one intra-op thread is as fast on an idle 2-core machine and
-    many times faster on a loaded one (thread oversubscription)."""
+    many times faster on a loaded one (thread oversubscription). Tree calibrations go to a directory of the run."""
+    import tempfile
+
     import torch
 
     torch.set_num_threads(1)
+    # tree calibrations of the suite's throwaway checkpoints stay out of the user's cache (Ray workers inherit it)
+    os.environ["MMSPEC_CALIBRATION_DIR"] = tempfile.mkdtemp(prefix="mmspec-calibration-")
 
 
 @dataclass

@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from mmspec_ray.spec.tree import TreeConfig
+
 MODEL = "tiny-llava"
 KEY = "sk-test-not-a-secret"
 KEY_ENV = "MMSPEC_SERVE_TEST_KEY"
@@ -89,7 +91,8 @@ class ServeApp:
 def app_args(ckpt: str, s3_config, **over: Any) -> dict[str, Any]:
     args: dict[str, Any] = {
         "decode": {"target": ckpt, "drafter": "ngram", "device": "cpu", "media": {"num_frames": FRAMES},
-                   "s3": s3_config.model_dump()},
+                   "s3": s3_config.model_dump(),
+                   "tree": TreeConfig().model_dump()},  # the reference engine's: the same cycles to compare
         "model_name": MODEL,
         "default_max_tokens": 16,
         "limits": {"max_body_bytes": 2_000_000, "max_image_bytes": 200_000, "max_video_bytes": 400_000,

@@ -40,7 +40,7 @@ def test_bench_records_every_method_and_token_counts_agree(tmp_path):
 def test_bench_methods_take_their_own_tree_or_a_calibrated_one(tmp_path, monkeypatch):
     from mmspec_ray.bench.run import split_tree
 
-    monkeypatch.setenv("MMSPEC_HOME", str(tmp_path))
+    monkeypatch.setenv("MMSPEC_CALIBRATION_DIR", str(tmp_path / "calibration"))
     assert split_tree("/a/b@k4d5n16") == ("/a/b", TreeConfig(top_k=4, depth=5, total_tokens=16))
     assert split_tree("eagle2@auto") == ("eagle2", "auto") and split_tree("/x/y") == ("/x/y", None)
     with pytest.raises(ValueError, match="kKdDnN"):

@@ -108,7 +108,7 @@ def test_the_pick_follows_the_cost_of_a_verify_forward():
 
 
 def test_the_engine_stays_lossless_while_it_calibrates_and_caches_its_pick(tmp_path, monkeypatch):
-    monkeypatch.setenv("MMSPEC_HOME", str(tmp_path))
+    monkeypatch.setenv("MMSPEC_CALIBRATION_DIR", str(tmp_path / "calibration"))
     monkeypatch.setattr(calibrate, "PROBE", TreeConfig(top_k=4, depth=4, total_tokens=24))  # small: a fast test
     torch.manual_seed(0)
     target = build_target("llava")

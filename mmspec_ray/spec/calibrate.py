@@ -203,6 +203,9 @@ def device_name(device: torch.device) -> str:
 
 
 def calibration_dir() -> Path:
+    """$MMSPEC_CALIBRATION_DIR, else $MMSPEC_HOME/calibration (the test suite keeps its own)."""
+    if os.environ.get("MMSPEC_CALIBRATION_DIR"):
+        return Path(os.environ["MMSPEC_CALIBRATION_DIR"])
     return Path(os.environ.get("MMSPEC_HOME", Path.home() / ".cache" / "mmspec")) / "calibration"
 
 
