@@ -15,7 +15,8 @@ class TreeConfig(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     top_k: int = Field(8, ge=1)
-    depth: int = Field(5, ge=1, description="draft levels below the root")
+    depth: int = Field(5, ge=1, description="drafter steps: nodes reach depth + 1 levels below the root (the first "
+                       "level comes from the distribution the drafter already holds for the root)")
     total_tokens: int = Field(48, ge=1, description="tree size including the root; 1: no drafting, plain AR steps "
                               "(what calibration picks where no tree pays)")
 
