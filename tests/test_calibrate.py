@@ -189,3 +189,22 @@ def test_between_probe_cycles_the_drafter_keeps_up_even_when_the_pick_so_far_is_
     assert got.token_ids == answer
     assert len(cal.records) >= 3 and cal.provisional == TreeConfig(top_k=1, depth=1, total_tokens=1)
     assert all(len(path) == tree.size for tree, path in cal.records)  # every probe chain accepted whole
+
+
+def test_a_slow_target_measures_fewer_rounds_of_the_cost_curve():
+    from mmspec_ray.spec.calibrate import verify_seconds
+
+    torch.manual_seed(0)
+    target = build_target("llava")
+    inputs = target.encode(Request(prompt="describe the image", images=tuple(random_images(1, seed=6))))
+    calls: list[int] = []
+    verify = target.verify
+    target.verify = lambda tokens, *a: calls.append(int(tokens.shape[0])) or verify(tokens, *a)
+    try:
+        verify_seconds(target, inputs, (1, 4), repeats=9, warmup=2, budget_s=0.0)  # no time: the floor of 3
+        assert calls == [1, 4] * 5
+        calls.clear()
+        costs = verify_seconds(target, inputs, (1, 4), repeats=9, warmup=2, budget_s=None)  # no budget: all 9
+        assert calls == [1, 4] * 11 and costs[1] <= costs[4]
+    finally:
+        del target.verify

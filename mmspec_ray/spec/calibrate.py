@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 PROBE = TreeConfig(top_k=8, depth=8, total_tokens=64)
 COST_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+COST_BUDGET_S = 10.0  # the cost curve's measured rounds fit this (3 at least): a 7B model on a CPU is not held up
 PROBE_CYCLES = 64  # whole probe cycles recorded before the final pick ...
 PROBE_PER_REQUEST = 12  # ... at most this many from one request (the rest of it decodes with the pick so far) ...
 PROBE_EVERY = 3  # ... one cycle in this many, so that they span the answer (its start is the easiest part)
@@ -50,16 +51,18 @@ def _sync(device: torch.device) -> None:
 
 
 def verify_seconds(target: Any, inputs: dict, sizes: tuple[int, ...] = COST_SIZES, repeats: int = 9,
-                   warmup: int = 2) -> dict[int, float]:
+                   warmup: int = 2, budget_s: float | None = None) -> dict[int, float]:
     """Seconds of one verify forward of a chain of n random tokens after the encoded prompt `inputs`, for each n in
     sizes: sizes interleaved round by round (so drift hits them alike), the median per size, then made
-    non-decreasing in n (a bigger forward never costs less; a noisy dip must not pick a tree). Leaves the target's
-    cache holding the prompt (the caller prefills again)."""
+    non-decreasing in n (a bigger forward never costs less; a noisy dip must not pick a tree). `budget_s`: fewer
+    rounds (at least 3 measured) where forwards are slow, e.g. a large model on a CPU. Leaves the target's cache
+    holding the prompt (the caller prefills again)."""
     vocab = target.model.get_output_embeddings().weight.shape[0]
     g = torch.Generator().manual_seed(0)
     target.prefill(inputs)
     times: dict[int, list[float]] = {n: [] for n in sizes}
-    for _ in range(warmup + repeats):
+    rounds, done, t_start = warmup + repeats, 0, time.perf_counter()
+    while done < rounds:
         for n in sizes:
             tokens = torch.randint(0, vocab, (n,), generator=g)
             ancestors = torch.tril(torch.ones(n, n, dtype=torch.bool))
@@ -69,6 +72,10 @@ def verify_seconds(target: Any, inputs: dict, sizes: tuple[int, ...] = COST_SIZE
             _sync(target.device)
             times[n].append(time.perf_counter() - t0)
             target.commit([])  # drop the chain: the cache holds the prompt again
+        done += 1
+        if budget_s is not None and done == warmup:  # a warm round's cost sets how many fit in the budget
+            per_round = (time.perf_counter() - t_start) / warmup
+            rounds = warmup + max(3, min(repeats, int(budget_s / per_round)))
     return monotone({n: statistics.median(ts[warmup:]) for n, ts in times.items()})
 
 
@@ -256,7 +263,7 @@ class TreeCalibrator:
         """Before the engine's prefill: the verify-cost curve (first request only, on its prompt)."""
         if self.costs is None:
             sizes = tuple(n for n in COST_SIZES if n <= self.probe.total_tokens)
-            self.costs = verify_seconds(target, inputs, sizes)
+            self.costs = verify_seconds(target, inputs, sizes, budget_s=COST_BUDGET_S)
         self.this_request, self.cycle, self.provisional = 0, 0, None
 
     def next_cycle(self, whole: bool) -> tuple[TreeConfig, bool]:
