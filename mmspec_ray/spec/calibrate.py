@@ -145,6 +145,7 @@ class TreePick(BaseModel):
     verify_ms: dict[int, float]
     draft_ms_per_level: float
     draft_ms_per_cycle: float  # the drafter's observe of the accepted tokens, whatever the tree
+    book_ms_per_cycle: float = 0.0  # the engine's own work per cycle (acceptance, processors, KV commit)
     probe: TreeConfig
     probe_cycles: int
     key: dict[str, Any]
@@ -152,13 +153,14 @@ class TreePick(BaseModel):
 
 
 def predict(records: list[tuple[DraftTree, list[int]]], costs: dict[int, float], draft_s_per_level: float,
-            tree: TreeConfig, draft_s_per_cycle: float = 0.0) -> tuple[float, float]:
+            tree: TreeConfig, draft_s_per_cycle: float = 0.0, book_s_per_cycle: float = 0.0) -> tuple[float, float]:
     """(speedup over a one-token step, tokens per forward) that `tree` would give, from the probe records."""
-    return _table(records, costs, draft_s_per_level, draft_s_per_cycle, tree.top_k, tree.depth,
+    return _table(records, costs, draft_s_per_level, draft_s_per_cycle, book_s_per_cycle, tree.top_k, tree.depth,
                   tree.total_tokens)[tree.total_tokens]
 
 
-def _table(records, costs, draft_s_per_level, draft_s_per_cycle, k, d, max_tokens) -> dict[int, tuple[float, float]]:
+def _table(records, costs, draft_s_per_level, draft_s_per_cycle, book_s_per_cycle, k, d,
+           max_tokens) -> dict[int, tuple[float, float]]:
     """{n: (predicted speedup, tokens per forward)} of the trees of n = 2..max_tokens with this top_k and depth."""
     acc = [0.0] * (max_tokens + 1)
     for tree, path in records:
@@ -168,20 +170,23 @@ def _table(records, costs, draft_s_per_level, draft_s_per_cycle, k, d, max_token
     out = {}
     for n in range(2, max_tokens + 1):
         tpf = 1.0 + acc[n] / max(1, len(records))
-        out[n] = (tpf * one / (interpolate(costs, n) + draft_s_per_level * d + draft_s_per_cycle), tpf)
+        # the bookkeeping is the probe's (the biggest trees) and is charged to drafting only: both err towards
+        # drafting less, which matters where a forward costs little next to the engine's Python (a tiny target)
+        out[n] = (tpf * one / (interpolate(costs, n) + draft_s_per_level * d + draft_s_per_cycle + book_s_per_cycle),
+                  tpf)
     return out
 
 
 def pick_tree(records: list[tuple[DraftTree, list[int]]], costs: dict[int, float], draft_s_per_level: float,
-              probe: TreeConfig = PROBE, draft_s_per_cycle: float = 0.0, min_gain: float = MIN_GAIN,
-              tie: float = TIE) -> TreePick:
+              probe: TreeConfig = PROBE, draft_s_per_cycle: float = 0.0, book_s_per_cycle: float = 0.0,
+              min_gain: float = MIN_GAIN, tie: float = TIE) -> TreePick:
     """The tree with the highest predicted tokens per second, where trees within `tie` of the best go to the
     smallest (total_tokens, then depth, then top_k): the prediction is not finer than that. Where no tree beats a
     plain one-token step by `min_gain`, the pick is the 1-token tree: no drafting."""
     table = [(speedup, tpf, TreeConfig(top_k=k, depth=d, total_tokens=n))
              for k in range(1, probe.top_k + 1) for d in range(1, probe.depth + 1)
-             for n, (speedup, tpf) in _table(records, costs, draft_s_per_level, draft_s_per_cycle, k, d,
-                                             probe.total_tokens).items()]
+             for n, (speedup, tpf) in _table(records, costs, draft_s_per_level, draft_s_per_cycle,
+                                             book_s_per_cycle, k, d, probe.total_tokens).items()]
     top = max(s for s, _, _ in table)
     if top < min_gain:
         speedup, tpf, tree = 1.0, 1.0, TreeConfig(top_k=1, depth=1, total_tokens=1)
@@ -190,8 +195,8 @@ def pick_tree(records: list[tuple[DraftTree, list[int]]], costs: dict[int, float
                                  key=lambda r: (r[2].total_tokens, r[2].depth, r[2].top_k))
     return TreePick(tree=tree, predicted_speedup=speedup, tokens_per_forward=tpf,
                     verify_ms={n: 1e3 * s for n, s in costs.items()}, draft_ms_per_level=1e3 * draft_s_per_level,
-                    draft_ms_per_cycle=1e3 * draft_s_per_cycle, probe=probe, probe_cycles=len(records), key={},
-                    created=time.time())
+                    draft_ms_per_cycle=1e3 * draft_s_per_cycle, book_ms_per_cycle=1e3 * book_s_per_cycle,
+                    probe=probe, probe_cycles=len(records), key={}, created=time.time())
 
 
 def device_name(device: torch.device) -> str:
@@ -253,6 +258,7 @@ class TreeCalibrator:
     records: list[tuple[DraftTree, list[int]]] = field(default_factory=list)
     propose_s: float = 0.0
     observe_s: float = 0.0
+    book_s: float = 0.0
     levels: int = 0
     this_request: int = 0
     cycle: int = 0  # cycles of this request so far
@@ -280,14 +286,15 @@ class TreeCalibrator:
             self.provisional = self._pick().tree
         return self.provisional, False
 
-    def observe(self, tree: DraftTree, path: list[int], propose_s: float, observe_s: float,
+    def observe(self, tree: DraftTree, path: list[int], propose_s: float, observe_s: float, book_s: float,
                 passes: int) -> TreeConfig | None:
-        """Record one whole probe cycle (its draft time: the proposal, per drafter step, and the drafter's observe
-        of the previous cycle, per cycle); returns the final tree once `cycles` are in."""
+        """Record one whole probe cycle with its times: the proposal (per drafter step), the drafter's observe of the
+        previous cycle and the engine's bookkeeping (both per cycle); returns the final tree once `cycles` are in."""
         self.records.append((tree, path))
         self.this_request += 1
         self.propose_s += propose_s
         self.observe_s += observe_s
+        self.book_s += book_s
         self.levels += passes if passes else self.probe.depth
         return self.pick() if len(self.records) >= self.cycles else None
 
@@ -295,7 +302,7 @@ class TreeCalibrator:
         """After a request, while not done: keep the records for the next process."""
         _write(_cache_path(self.key, ".partial.json"), json.dumps({
             "key": self.key, "probe": self.probe.model_dump(), "costs": self.costs, "propose_s": self.propose_s,
-            "observe_s": self.observe_s, "levels": self.levels,
+            "observe_s": self.observe_s, "book_s": self.book_s, "levels": self.levels,
             "records": [[t.tokens.tolist(), t.parents.tolist(), t.scores.tolist(), p] for t, p in self.records]}))
 
     @classmethod
@@ -309,14 +316,15 @@ class TreeCalibrator:
                                   torch.tensor(sc)), path) for tok, par, sc, path in saved["records"]]
             costs = {int(n): c for n, c in saved["costs"].items()} if saved["costs"] else None
             return cls(key, costs=costs, records=records, propose_s=saved["propose_s"],
-                       observe_s=saved["observe_s"], levels=saved["levels"])
+                       observe_s=saved["observe_s"], book_s=saved.get("book_s", 0.0), levels=saved["levels"])
         except (OSError, ValueError, KeyError, TypeError):
             return cls(key)
 
     def _pick(self) -> TreePick:
         assert self.costs is not None and self.records
+        n = len(self.records)
         pick = pick_tree(self.records, self.costs, self.propose_s / max(1, self.levels), self.probe,
-                         self.observe_s / len(self.records))
+                         self.observe_s / n, self.book_s / n)
         return pick.model_copy(update={"key": self.key})
 
     def pick(self) -> TreeConfig:

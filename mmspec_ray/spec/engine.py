@@ -118,14 +118,15 @@ class SpecEngine:
             stats.cycles += 1
             stats.tie_cycles += single
             stats.accepted_per_cycle.append(len(path) - 1)
-            if probing and not single:  # (a near-tie cut the path: not a record)
-                picked = self.calibrator.observe(tree, path, tv - td, observe_s, cycle_passes)
-                if picked is not None:
-                    self.tree, self.calibrator = picked, None
             stats.draft_s += tv - td
             stats.verify_s += ta - tv
             n_before = len(tracker.ids)
             done = tracker.add(new)
+            if probing and not single:  # (a near-tie cut the path: not a record)
+                book_s = time.perf_counter() - ta  # acceptance, processors, commit: this cycle's bookkeeping
+                picked = self.calibrator.observe(tree, path, tv - td, observe_s, book_s, cycle_passes)
+                if picked is not None:
+                    self.tree, self.calibrator = picked, None
             if new:
                 tp = time.perf_counter()
                 yield tracker.ids[n_before:]
