@@ -89,7 +89,7 @@ def fixed_tree(a: argparse.Namespace):
     """The TreeConfig of the --tree-* flags (unset ones at TreeConfig's defaults), or None when none is set."""
     from mmspec_ray.spec.tree import TreeConfig
 
-    given = {k: getattr(a, "tree_" + ("tokens" if k == "total_tokens" else k)) for k in TREE_FLAGS}
+    given = {k: getattr(a, flag[2:].replace("-", "_")) for k, flag in TREE_FLAGS.items()}
     given = {k: v for k, v in given.items() if v is not None}
     return checked(TreeConfig, TREE_FLAGS, **given) if given else None
 

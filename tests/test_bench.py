@@ -54,6 +54,12 @@ def test_bench_methods_take_their_own_tree_or_a_calibrated_one(tmp_path, monkeyp
     cal = res["calibration"]["ng-auto"]
     assert res["trees"]["ng-auto"] == cal["tree"] and cal["probe_cycles"] >= 1 and not cal["cached"]
     assert list((tmp_path / "calibration").glob("*.json"))  # the pick is cached for later engines
+    from mmspec_ray.bench.run import calibrate_tree
+    from mmspec_ray.drafters.ngram import NgramDrafter
+    from mmspec_ray.spec.calibrate import FALLBACK
+
+    short, info = calibrate_tree(target, NgramDrafter(), "ngram-short", reqs, max_new_tokens=6)
+    assert short == FALLBACK and not info["cached"]  # answers too short for a whole probe tree: the fallback
 
 
 def test_cost_profile_measures_ar_steps_and_each_tree_size_and_leaves_the_target_clean():

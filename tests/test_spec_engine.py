@@ -124,6 +124,25 @@ def test_greedy_spec_equals_ar_equals_hf_for_every_drafter(family_target):
                 assert g.stats.cycles < len(ar.token_ids) / 3  # the engine really commits multi-token paths
 
 
+def test_greedy_output_is_ar_while_the_tree_calibrates_and_with_no_drafting(family_target, tmp_path, monkeypatch):
+    """Tree calibration (spec/calibrate.py) on every family: probe cycles, the pick so far and the final pick, and
+    the 1-token tree (no drafting) that calibration picks where nothing pays, all give AR's answer."""
+    from mmspec_ray.spec.calibrate import TreeCalibrator
+
+    monkeypatch.setenv("MMSPEC_CALIBRATION_DIR", str(tmp_path))
+    family, target = family_target
+    reqs = list(requests_for(family).values())
+    ars = [AREngine(target).generate(r, max_new_tokens=32).token_ids for r in reqs]
+    cal = TreeCalibrator({"drafter": f"eagle2-random-{family}"}, probe=TreeConfig(top_k=4, depth=4, total_tokens=24),
+                         cycles=4, per_request=3, every=2)
+    engine = SpecEngine(target, Eagle2Drafter.random(target, seed=1), cal)
+    for r, ar in zip(reqs * 2, ars * 2):  # calibrating, then (cycles reached) with the picked tree
+        assert engine.generate(r, max_new_tokens=32).token_ids == ar, family
+    assert engine.calibrator is None and cal.result is not None, family
+    plain = SpecEngine(target, NgramDrafter(min_ngram=1), TreeConfig(top_k=1, depth=1, total_tokens=1))
+    assert [plain.generate(r, max_new_tokens=32).token_ids for r in reqs] == ars, family
+
+
 def test_spec_respects_stop_strings_and_max_tokens(family_target):
     family, target = family_target
     req = requests_for(family)["image"]

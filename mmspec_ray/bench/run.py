@@ -114,7 +114,8 @@ def calibrate_tree(target: VLMTarget, drafter, spec: str, requests: list[Request
             break
         engine.generate(req, SamplingParams(temperature=0.0), max_new_tokens=max_new_tokens)
     if engine.calibrator is not None:  # too few whole probe cycles in these prompts: pick from what there is
-        engine.tree = engine.calibrator.pick()
+        # (none at all when every answer is too short for a whole probe tree: the calibrator's fallback tree)
+        engine.tree = engine.calibrator.pick() if engine.calibrator.records else engine.calibrator.fallback
     info = {"seconds": time.perf_counter() - t0, "cached": calibrator is None}
     if calibrator is not None and calibrator.result is not None:
         info.update(calibrator.result.model_dump(mode="json", exclude={"key"}))

@@ -103,12 +103,13 @@ def interpolate(costs: dict[int, float], n: int) -> float:
     return costs[xs[-1]] * n / xs[-1]
 
 
-def grown_subset(tree: DraftTree, top_k: int, depth: int) -> list[int]:
+def grown_subset(tree: DraftTree, top_k: int, depth: int, kids: list[list[int]] | None = None) -> list[int]:
     """The probe tree's nodes that EAGLE-2 growth with this top_k and depth would create, best score first:
     each level takes the top_k children of the previous level's top_k best nodes (replayed on what was recorded,
     so a node the probe did not keep is missing: the estimate errs low). As in growth, the root's children come
-    from the target and each of `depth` drafter steps adds a level: nodes reach depth + 1."""
-    kids = tree.children()  # best score first
+    from the target and each of `depth` drafter steps adds a level: nodes reach depth + 1. `kids`: the tree's
+    `children()`, when the caller already has them."""
+    kids = kids if kids is not None else tree.children()  # best score first
     scores = tree.scores.tolist()
     frontier, cand = [0], []
     for _ in range(depth + 1):
@@ -121,10 +122,11 @@ def grown_subset(tree: DraftTree, top_k: int, depth: int) -> list[int]:
     return cand
 
 
-def accepted_by_size(tree: DraftTree, path: list[int], top_k: int, depth: int, max_tokens: int) -> list[int]:
+def accepted_by_size(tree: DraftTree, path: list[int], top_k: int, depth: int, max_tokens: int,
+                     kids: list[list[int]] | None = None) -> list[int]:
     """acc[n] for n in 0..max_tokens: draft tokens of `path` (accepted in the probe tree, root first) that a tree
     of n tokens (root included) grown with top_k / depth would also hold as a prefix of the path."""
-    rank = {c: i for i, c in enumerate(grown_subset(tree, top_k, depth))}
+    rank = {c: i for i, c in enumerate(grown_subset(tree, top_k, depth, kids))}
     acc = [0] * (max_tokens + 1)
     worst = -1
     for j, node in enumerate(path[1:], start=1):
@@ -152,19 +154,12 @@ class TreePick(BaseModel):
     created: float
 
 
-def predict(records: list[tuple[DraftTree, list[int]]], costs: dict[int, float], draft_s_per_level: float,
-            tree: TreeConfig, draft_s_per_cycle: float = 0.0, book_s_per_cycle: float = 0.0) -> tuple[float, float]:
-    """(speedup over a one-token step, tokens per forward) that `tree` would give, from the probe records."""
-    return _table(records, costs, draft_s_per_level, draft_s_per_cycle, book_s_per_cycle, tree.top_k, tree.depth,
-                  tree.total_tokens)[tree.total_tokens]
-
-
-def _table(records, costs, draft_s_per_level, draft_s_per_cycle, book_s_per_cycle, k, d,
+def _table(records, kids, costs, draft_s_per_level, draft_s_per_cycle, book_s_per_cycle, k, d,
            max_tokens) -> dict[int, tuple[float, float]]:
     """{n: (predicted speedup, tokens per forward)} of the trees of n = 2..max_tokens with this top_k and depth."""
     acc = [0.0] * (max_tokens + 1)
-    for tree, path in records:
-        for n, a in enumerate(accepted_by_size(tree, path, k, d, max_tokens)):
+    for (tree, path), tree_kids in zip(records, kids):
+        for n, a in enumerate(accepted_by_size(tree, path, k, d, max_tokens, tree_kids)):
             acc[n] += a
     one = costs[min(costs)]
     out = {}
@@ -183,9 +178,10 @@ def pick_tree(records: list[tuple[DraftTree, list[int]]], costs: dict[int, float
     """The tree with the highest predicted tokens per second, where trees within `tie` of the best go to the
     smallest (total_tokens, then depth, then top_k): the prediction is not finer than that. Where no tree beats a
     plain one-token step by `min_gain`, the pick is the 1-token tree: no drafting."""
+    kids = [tree.children() for tree, _ in records]  # once per record, not per (top_k, depth)
     table = [(speedup, tpf, TreeConfig(top_k=k, depth=d, total_tokens=n))
              for k in range(1, probe.top_k + 1) for d in range(1, probe.depth + 1)
-             for n, (speedup, tpf) in _table(records, costs, draft_s_per_level, draft_s_per_cycle,
+             for n, (speedup, tpf) in _table(records, kids, costs, draft_s_per_level, draft_s_per_cycle,
                                              book_s_per_cycle, k, d, probe.total_tokens).items()]
     top = max(s for s, _, _ in table)
     if top < min_gain:

@@ -161,4 +161,4 @@ class AREngine(SpecEngine):
     """The autoregressive baseline: the same loop, one token per target forward."""
 
     def __init__(self, target: VLMTarget) -> None:
-        super().__init__(target, NoDrafter(), TreeConfig(top_k=1, depth=1, total_tokens=2))
+        super().__init__(target, NoDrafter(), TreeConfig(top_k=1, depth=1, total_tokens=1))  # 1 token: no drafting
