@@ -201,31 +201,58 @@ def bench_drafters(spec: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for part in filter(None, (p.strip() for p in (spec or "").split(","))):
         label, _, path = part.partition("=")
-        label, path = (label, path) if path else (Path(part).name if "/" in part else part, part)
+        bare = part.rpartition("@")[0] if "@" in part else part  # the label leaves out the tree (@auto, @k4d5n16)
+        label, path = (label, path) if path else (Path(bare).name if "/" in bare else bare, part)
         if label in out or label in ("ar", "hf_generate", "hf_prompt_lookup", "hf_assisted", "ngram", "oracle"):
             raise UsageError(f"--drafter: the label {label!r} is taken; name it as LABEL=PATH")
         out[label] = path
     return out
 
 
+def bench_workloads(a: argparse.Namespace, target: str) -> list:
+    """The `--workloads` of `mmspec bench`: toy workloads (toy targets only) and request parquets, each `--prompts`
+    long."""
+    from mmspec_ray.bench.workloads import TOY_WORKLOADS, parquet_workload, parse_workloads, toy_workload
+    from mmspec_ray.toy.model import TOY_SIZES
+
+    try:
+        specs = parse_workloads(a.workloads)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    tasks = tuple(a.tasks.split(",")) if a.tasks else None
+    out = []
+    for name, source in specs:
+        if source in TOY_WORKLOADS:
+            if a.target not in TOY_SIZES:
+                raise UsageError(f"--workloads {name}: a toy workload needs a toy target (toy-s, toy-m); with a "
+                                 "checkpoint give request parquets (NAME=PATH or s3:// URI)")
+            from mmspec_ray.toy.build import build_toy
+
+            out.append(toy_workload(build_toy(a.target), name, a.prompts, a.seed, tasks))
+        else:
+            out.append(parquet_workload(name, source, target, a.prompts))
+    return out
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
     from mmspec_ray.bench.run import run_bench, write_results
     from mmspec_ray.targets import load_target
-    from mmspec_ray.toy.build import build_toy
-    from mmspec_ray.toy.prompts import toy_requests
+    from mmspec_ray.targets.registry import fetch_checkpoint
+    from mmspec_ray.toy.resolve import resolve_target
 
-    world = build_toy(a.target)
-    target = load_target(world.target, dtype=a.dtype)
+    path = fetch_checkpoint(resolve_target(a.target))  # s3:// (S3Config.from_env) -> its local cache directory
+    workloads = bench_workloads(a, str(path))
+    target = load_target(path, dtype=a.dtype)
     drafters = {}
     for label, spec in bench_drafters(a.drafter).items():  # DRAFTER@TREE: the tree of that method (run.split_tree)
         spec, at, tree = spec.rpartition("@") if "@" in spec else (spec, "", "")
         drafters[label] = resolve_drafter(spec, a.target) + at + tree
     cfg = bench_config(a)
-    tasks = tuple(a.tasks.split(",")) if a.tasks else None
-    requests = list(toy_requests(world, "test", a.prompts, seed=a.seed, tasks=tasks))
-    res = run_bench(target, requests, drafters, cfg, assistant=_assistant(a.assistant, a.target))
+    res = run_bench(target, workloads, drafters, cfg, assistant=_assistant(a.assistant, a.target))
     res["command"] = "mmspec " + " ".join(sys.argv[1:])
-    out = write_results(res, a.out, f"{a.target}: {len(requests)} held-out prompts, max_new_tokens {a.max_new_tokens}")
+    n = sum(len(w.requests) for w in workloads)
+    out = write_results(res, a.out, f"{a.target}: {n} prompts ({', '.join(w.name for w in workloads)}), "
+                        f"max_new_tokens {a.max_new_tokens}")
     print((out / "bench.md").read_text())
     return 0
 
@@ -317,17 +344,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_args(td)
     td.set_defaults(fn=cmd_train_drafter)
 
-    be = sub.add_parser("bench", help="AR vs drafters vs HF peers on held-out toy prompts (JSON + markdown)")
-    be.add_argument("--target", default="toy-s", choices=["toy-s", "toy-m"])
+    be = sub.add_parser("bench", help="AR vs drafters vs HF peers on workloads of a target, one interleaved run "
+                        "(JSON + markdown + plots)")
+    be.add_argument("--target", default="toy-s", help="toy-s / toy-m, a checkpoint directory or s3:// prefix")
+    be.add_argument("--workloads", default="all",
+                    help="comma list, measured in one run: toy workloads (all, instructions = image tasks, captions = "
+                         "video tasks, long = detail answers at max_new_tokens 160) and request parquets (file or "
+                         "directory, local or s3://, the batch jobs' rows: id, prompt or messages, image(_uri) / "
+                         "video(_uri)) as NAME=URI or URI; a checkpoint target needs parquets")
     be.add_argument("--drafter", default="eagle2",
                     help="comma list, run interleaved in one bench: eagle2 / msd / hivis (the toy world's), checkpoint dirs "
                          "or LABEL=DIR; '' for none. DRAFTER@auto: the tree calibrated for it on this machine; "
                          "DRAFTER@k4d5n16: a fixed tree (top-k 4, depth 5, 16 tokens) for that method")
     be.add_argument("--assistant", default="auto",
                     help="small model for the HF assisted-generation peer: a checkpoint dir, '' for none, or auto "
-                         "(toy-m: toy-s, the model it was grown from)")
-    be.add_argument("--prompts", type=int, default=12)
-    be.add_argument("--tasks", default="", help="comma-separated toy tasks to draw prompts from (default: all)")
+                         "(toy-m: toy-s, the model it was grown from; none for other targets)")
+    be.add_argument("--prompts", type=int, default=12, help="prompts per workload")
+    be.add_argument("--tasks", default="", help="comma-separated toy tasks the 'all' workload draws prompts from "
+                    "(default: all)")
     be.add_argument("--max-new-tokens", type=int, default=128)
     be.add_argument("--repeats", type=int, default=3)
     be.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])

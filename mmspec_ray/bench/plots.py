@@ -1,4 +1,4 @@
-"""Plots of a `mmspec bench` result (PNG beside bench.json): speedup over AR per method, the accepted-length
+"""Plots of a `mmspec bench` result (PNG beside bench.json): speedup over AR per method and workload, the accepted-length
 histogram per method, and a verify cycle's time split into draft / verify / bookkeeping. Read from the result's
 summary and raw runs only, so an old bench.json can be re-plotted (`python -m mmspec_ray.bench.plots DIR`)."""
 
@@ -37,12 +37,12 @@ def accepted_histogram(runs: list[dict], temperature: float, method: str) -> lis
     return [c / total for c in counts] if total else []
 
 
-def _per_temperature(results: dict, path: Path, draw: Callable[[Any, str], bool]) -> Path | None:
+def _per_temperature(results: dict, path: Path, draw: Callable[[Any, str], bool], width: float = 6) -> Path | None:
     """One panel per temperature of the summary, each filled by draw(ax, temperature) -> whether it drew
     anything; saved to `path` when some panel did (else None)."""
     plt = _pyplot()
     temps = list(results["summary"])
-    fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(temps), figsize=(width * len(temps), 4), squeeze=False)
     drew = [draw(ax, temp) for ax, temp in zip(axes[0], temps)]
     if any(drew):
         fig.tight_layout()
@@ -52,23 +52,34 @@ def _per_temperature(results: dict, path: Path, draw: Callable[[Any, str], bool]
 
 
 def plot_speedup(results: dict, path: Path) -> Path | None:
-    """Median per-prompt speedup over AR per method (bars), min-max over prompts (error bars), one panel per T."""
+    """Median per-prompt speedup over AR per method, one bar per workload (or one bar, min-max over prompts as error
+    bars, for a single workload), one panel per T."""
+    groups = results.get("workloads") or {"": results["summary"]}
 
     def draw(ax, temp: str) -> bool:
-        table = results["summary"][temp]
-        names = list(table)
-        med = [table[m]["speedup_median"] for m in names]
-        lo = [m - table[n]["speedup_min"] for n, m in zip(names, med)]
-        hi = [table[n]["speedup_max"] - m for n, m in zip(names, med)]
-        ax.bar(names, med, yerr=[lo, hi], capsize=3, color="tab:blue")
+        names = list(results["summary"][temp])
+        width = 0.8 / len(groups)
+        for gi, (wname, summary) in enumerate(groups.items()):
+            table = summary.get(temp, {})
+            xs = [i + gi * width for i, m in enumerate(names) if m in table]
+            med = [table[m]["speedup_median"] for m in names if m in table]
+            err = None
+            if len(groups) == 1:
+                err = [[v - table[m]["speedup_min"] for m, v in zip(names, med)],
+                       [table[m]["speedup_max"] - v for m, v in zip(names, med)]]
+            ax.bar(xs, med, width=width, yerr=err, capsize=3, label=wname or None)
+            for x, v in zip(xs, med):
+                ax.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=6 if len(groups) > 1 else 8)
+        ax.set_xticks([i + width * (len(groups) - 1) / 2 for i in range(len(names))], names)
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-        for i, v in enumerate(med):
-            ax.text(i + 0.1, v, f"{v:.2f}x", ha="left", va="bottom", fontsize=8)
-        ax.set_title(f"T = {temp}: speedup over AR per token (median, min-max)")
+        ax.set_title(f"T = {temp}: speedup over AR per token (median" + (", min-max)" if len(groups) == 1 else ")"))
         ax.tick_params(axis="x", rotation=45)
+        if len(groups) > 1:
+            ax.legend(fontsize=8, title="workload")
         return bool(names)
 
-    return _per_temperature(results, path, draw)
+    methods = max(len(t) for t in results["summary"].values())
+    return _per_temperature(results, path, draw, width=max(6.0, 0.35 * methods * len(groups)))
 
 
 def plot_accepted(results: dict, path: Path) -> Path | None:

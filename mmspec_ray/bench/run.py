@@ -26,6 +26,7 @@ import torch
 from pydantic import BaseModel
 
 from mmspec_ray.bench.plots import write_plots
+from mmspec_ray.bench.workloads import Workload
 from mmspec_ray.config import SamplingParams
 from mmspec_ray.drafters.base import load_drafter
 from mmspec_ray.drafters.ngram import NgramDrafter
@@ -122,15 +123,25 @@ def calibrate_tree(target: VLMTarget, drafter, spec: str, requests: list[Request
     return engine.tree, info
 
 
-def run_bench(target: VLMTarget, requests: list[Request], drafters: dict[str, str] | str | None, cfg: BenchConfig,
-              assistant=None) -> dict:
+def run_bench(target: VLMTarget, requests: list[Request] | list[Workload], drafters: dict[str, str] | str | None,
+              cfg: BenchConfig, assistant=None) -> dict:
     """Measure every method on every request; returns the raw records and per-method summaries. `drafters`:
-    {label: checkpoint dir} (a bare path is labelled eagle2, as before), all run interleaved per prompt."""
+    {label: checkpoint dir} (a bare path is labelled eagle2, as before), all run interleaved per prompt.
+    `requests`: one list (the workload "all"), or workloads, measured in one run: their prompts are numbered in one
+    sequence, each run records its workload, and `results["workloads"]` has each one's summary beside the pooled
+    `results["summary"]`."""
     if isinstance(drafters, str):
         drafters = {"eagle2": drafters}
+    workloads = (list(requests) if requests and isinstance(requests[0], Workload)
+                 else [Workload("all", list(requests))])
+    items = [(w.name, req, w.max_new_tokens or cfg.max_new_tokens) for w in workloads for req in w.requests]
+    requests = [req for _, req, _ in items]
     results: dict = {"config": cfg.model_dump(), "machine": platform.processor() or platform.machine(),
                      "torch_threads": torch.get_num_threads(), "dtype": str(target.dtype).removeprefix("torch."),
-                     "runs": [], "trees": {}}
+                     "runs": [], "trees": {},
+                     "workload_info": {w.name: {"source": w.source, "prompts": len(w.requests),
+                                                "max_new_tokens": w.max_new_tokens or cfg.max_new_tokens,
+                                                "skipped": w.skipped} for w in workloads}}
     loaded, trees = {}, {}
     for label, spec in (drafters or {}).items():
         path, tree = split_tree(spec)
@@ -145,41 +156,43 @@ def run_bench(target: VLMTarget, requests: list[Request], drafters: dict[str, st
     ar = AREngine(target)
     for temp in cfg.temperatures:
         sampling = SamplingParams(temperature=temp, top_k=0, top_p=1.0, seed=cfg.seed)
-        for pi, req in enumerate(requests):
-            ref = ar.generate(req, SamplingParams(), max_new_tokens=cfg.max_new_tokens)  # warm-up + oracle answer
+        for pi, (workload, req, max_new) in enumerate(items):
+            ref = ar.generate(req, SamplingParams(), max_new_tokens=max_new)  # warm-up + oracle answer
             methods: dict[str, Callable[[], tuple[int, dict]]] = {
-                "ar": _engine_runner(ar, req, cfg.max_new_tokens, sampling)}
+                "ar": _engine_runner(ar, req, max_new, sampling)}
             if cfg.peers:
-                methods["hf_generate"] = _hf_runner(target, req, cfg.max_new_tokens, sampling)
-                methods["hf_prompt_lookup"] = _hf_runner(target, req, cfg.max_new_tokens, sampling,
+                methods["hf_generate"] = _hf_runner(target, req, max_new, sampling)
+                methods["hf_prompt_lookup"] = _hf_runner(target, req, max_new, sampling,
                                                          prompt_lookup_num_tokens=cfg.prompt_lookup_tokens)
-                methods["ngram"] = _engine_runner(SpecEngine(target, NgramDrafter(), cfg.tree), req,
-                                                  cfg.max_new_tokens, sampling)
+                methods["ngram"] = _engine_runner(SpecEngine(target, NgramDrafter(), cfg.tree), req, max_new, sampling)
             if assistant is not None and cfg.peers:
-                methods["hf_assisted"] = _hf_runner(target, req, cfg.max_new_tokens, sampling,
-                                                    assistant_model=assistant)
+                methods["hf_assisted"] = _hf_runner(target, req, max_new, sampling, assistant_model=assistant)
             for label, drafter in loaded.items():
-                methods[label] = _engine_runner(SpecEngine(target, drafter, trees[label]), req,
-                                                cfg.max_new_tokens, sampling)
+                methods[label] = _engine_runner(SpecEngine(target, drafter, trees[label]), req, max_new, sampling)
             if temp == 0.0 and cfg.peers:
                 methods["oracle"] = _engine_runner(SpecEngine(target, OracleDrafter(ref.token_ids), cfg.tree), req,
-                                                   cfg.max_new_tokens, sampling)
+                                                   max_new, sampling)
             for name, fn in list(methods.items()):  # warm-up of each path on this prompt
                 try:
                     fn()
                 except Exception as e:  # a peer that cannot run this prompt is reported, not fatal
                     log.warning("bench: %s failed on prompt %d: %s", name, pi, e)
-                    results.setdefault("errors", []).append({"temperature": temp, "prompt": pi, "method": name,
+                    results.setdefault("errors", []).append({"temperature": temp, "prompt": pi, "workload": workload,
+                                                             "method": name,
                                                              "error": f"{type(e).__name__}: {e}"[:300]})
                     del methods[name]
             for rep in range(cfg.repeats):
                 for name, fn in methods.items():  # interleaved
                     t0 = time.perf_counter()
                     ntok, extra = fn()
-                    results["runs"].append({"temperature": temp, "prompt": pi, "repeat": rep, "method": name,
+                    results["runs"].append({"temperature": temp, "prompt": pi, "workload": workload, "repeat": rep,
+                                            "method": name,
                                             "seconds": time.perf_counter() - t0, "tokens": ntok, **extra})
-            log.info("bench T=%s prompt %d/%d done", temp, pi + 1, len(requests))
+            log.info("bench T=%s prompt %d/%d (%s) done", temp, pi + 1, len(items), workload)
     results["summary"] = summarize(results["runs"])
+    if len(workloads) > 1:
+        results["workloads"] = {w.name: summarize([r for r in results["runs"] if r["workload"] == w.name])
+                                for w in workloads}
     return results
 
 
@@ -238,9 +251,26 @@ def summarize(runs: list[dict]) -> dict:
     return out
 
 
-def to_markdown(results: dict, title: str) -> str:
-    lines = [f"### {title}", ""]
-    for temp, table in results["summary"].items():
+def matrix_markdown(results: dict) -> list[str]:
+    """Speedup over AR (median per prompt) per method (rows) and workload (columns), one table per temperature."""
+    lines: list[str] = []
+    by_w = results["workloads"]
+    for temp in results["summary"]:
+        names = list(by_w)
+        lines += [f"Speedup over AR per token (median over prompts), T = {temp}", "",
+                  "| method | " + " | ".join(names) + " | every workload |", "|---" * (len(names) + 2) + "|"]
+        for m in results["summary"][temp]:
+            cells = [f"{by_w[w][temp][m]['speedup_median']:.2f}x" if m in by_w[w].get(temp, {}) else "-"
+                     for w in names]
+            lines.append(f"| {m} | " + " | ".join(cells) + f" | {results['summary'][temp][m]['speedup_median']:.2f}x |")
+        lines.append("")
+    return lines
+
+
+def summary_markdown(summary: dict) -> list[str]:
+    """One table per temperature: every method's speedup, τ and cycle split."""
+    lines: list[str] = []
+    for temp, table in summary.items():
         lines += [f"T = {temp}", "",
                   "| method | prompts | speedup vs AR per token (median) | min-max | decode-only speedup | tokens/s | "
                   "accepted/cycle | tokens/forward | draft ms/cycle | verify ms/cycle | drafter prefill ms/request | "
@@ -267,8 +297,25 @@ def to_markdown(results: dict, title: str) -> str:
         if per_pass:
             lines += ["", "accepted draft tokens per drafter forward: " + ", ".join(per_pass)]
         lines.append("")
+    return lines
+
+
+def to_markdown(results: dict, title: str) -> str:
+    lines = [f"### {title}", ""]
+    if "workloads" in results:
+        lines += matrix_markdown(results)
+        for name, summary in results["workloads"].items():
+            info = results["workload_info"][name]
+            lines += [f"#### workload {name}: {info['prompts']} prompts ({info['source']}), max_new_tokens "
+                      f"{info['max_new_tokens']}", ""] + summary_markdown(summary)
+        lines += ["#### every workload pooled", ""]
+    lines += summary_markdown(results["summary"])
+    for name, info in results.get("workload_info", {}).items():
+        for sk in info["skipped"]:
+            lines.append(f"- workload {name}: row {sk['row']} not read: {sk['error']}")
     for e in results.get("errors", []):
-        lines.append(f"- not measured: {e['method']} at T={e['temperature']} on prompt {e['prompt']}: {e['error']}")
+        lines.append(f"- not measured: {e['method']} at T={e['temperature']} on prompt {e['prompt']}"
+                     + (f" ({e['workload']})" if "workload" in e else "") + f": {e['error']}")
     return "\n".join(lines)
 
 
