@@ -1,5 +1,6 @@
-"""`mmspec bench`: AR vs our drafters vs the HF peers on held-out toy prompts, same target, same prompts, same
-max_new_tokens, same process, methods interleaved per prompt after a warm-up; medians over repeats.
+"""`mmspec bench`: AR vs our drafters vs the HF peers on one or more workloads (held-out toy prompts, or request
+parquets for any checkpoint: bench/workloads.py), same target, same prompts, same max_new_tokens per workload, same
+process, methods interleaved per prompt after a warm-up; medians over repeats.
 
 Speedup = AR time per generated token / method time per generated token (per prompt, medians over repeats, then the
 median over prompts): at T > 0 the methods' answers differ in length, so whole-answer wall times are not comparable
