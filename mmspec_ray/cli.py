@@ -82,6 +82,10 @@ def resolve_drafter(drafter: str | None, target: str) -> str | None:
         from mmspec_ray.toy.drafter import build_toy_drafter
 
         return str(build_toy_drafter(target, drafter))
+    if drafter in TRAINED_METHODS and not Path(drafter).exists():  # refused before any model is loaded
+        raise UsageError(f"--drafter {drafter}: a method name stands for the toy world's drafter, so it needs a toy "
+                         "target (toy-s, toy-m); for this checkpoint give a drafter checkpoint directory (train one "
+                         "with `mmspec train-drafter --data ...`)")
     return drafter
 
 
@@ -240,13 +244,13 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from mmspec_ray.targets.registry import fetch_checkpoint
     from mmspec_ray.toy.resolve import resolve_target
 
-    path = fetch_checkpoint(resolve_target(a.target))  # s3:// (S3Config.from_env) -> its local cache directory
-    workloads = bench_workloads(a, str(path))
-    target = load_target(path, dtype=a.dtype)
     drafters = {}
     for label, spec in bench_drafters(a.drafter).items():  # DRAFTER@TREE: the tree of that method (run.split_tree)
         spec, at, tree = spec.rpartition("@") if "@" in spec else (spec, "", "")
         drafters[label] = resolve_drafter(spec, a.target) + at + tree
+    path = fetch_checkpoint(resolve_target(a.target))  # s3:// (S3Config.from_env) -> its local cache directory
+    workloads = bench_workloads(a, str(path))
+    target = load_target(path, dtype=a.dtype)
     cfg = bench_config(a)
     res = run_bench(target, workloads, drafters, cfg, assistant=_assistant(a.assistant, a.target))
     res["command"] = "mmspec " + " ".join(sys.argv[1:])

@@ -79,8 +79,10 @@ def test_bench_cli_on_a_checkpoint_with_local_and_s3_request_parquets(tmp_path, 
     assert "row bad not read" in md
     assert (out / "speedup.png").read_bytes()[:4] == b"\x89PNG"
 
-    rc = main(["bench", "--target", ckpt, "--workloads", "long", "--out", str(out)])
-    assert rc == 2 and "needs a toy target" in capsys.readouterr().err
+    rc = main(["bench", "--target", ckpt, "--workloads", "long", "--drafter", "", "--out", str(out)])
+    assert rc == 2 and "toy workload needs a toy target" in capsys.readouterr().err
+    rc = main(["bench", "--target", ckpt, "--workloads", f"x={local}", "--out", str(out)])  # default --drafter eagle2
+    assert rc == 2 and "--drafter eagle2: a method name stands for the toy world's drafter" in capsys.readouterr().err
 
 
 def test_bench_runs_toy_workloads_each_with_its_own_answer_cap(tmp_path, monkeypatch):

@@ -98,7 +98,8 @@ def _rows(src, files: list[str]) -> Iterator[tuple[str, dict]]:
     """(id or file + row number, row) of every row, file by file, read a batch at a time."""
     for f in files:
         n = 0
-        for batch in pq.ParquetFile(src.fs.open_input_file(f)).iter_batches(batch_size=64):
-            for row in pa.Table.from_batches([batch]).to_pylist():
-                yield str(row["id"]) if row.get("id") is not None else f"{f} row {n}", row
-                n += 1
+        with src.fs.open_input_file(f) as fh:
+            for batch in pq.ParquetFile(fh).iter_batches(batch_size=64):
+                for row in pa.Table.from_batches([batch]).to_pylist():
+                    yield str(row["id"]) if row.get("id") is not None else f"{f} row {n}", row
+                    n += 1
