@@ -74,10 +74,14 @@ def cmd_toy_requests(a: argparse.Namespace) -> int:
 
 
 def resolve_drafter(drafter: str | None, target: str) -> str | None:
-    """A drafter checkpoint directory, a training-free method name, or a trained method name on a toy target
-    (e.g. `--target toy-s --drafter eagle2`: the toy world's drafter, trained on first use)."""
+    """A drafter checkpoint directory, a training-free method name, a trained method name on a toy target
+    (e.g. `--target toy-s --drafter eagle2`: the toy world's drafter, trained on first use), or `auto`."""
     from mmspec_ray.toy.model import TOY_SIZES
 
+    if drafter == "auto":
+        from mmspec_ray.toy.drafter import resolve_auto_drafter
+
+        return resolve_auto_drafter(drafter, target)
     if drafter in TRAINED_METHODS and target in TOY_SIZES:
         from mmspec_ray.toy.drafter import build_toy_drafter
 
@@ -143,7 +147,7 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
 
         return run(a, resolve_target(a.target))
     if a.target in TOY_SIZES:
-        from mmspec_ray.toy.drafter import RECIPES, build_toy_drafter, train_drafter_on_world
+        from mmspec_ray.toy.drafter import build_toy_drafter, recipe_for, train_drafter_on_world
         from mmspec_ray.toy.build import build_toy
 
         if a.out is None:
@@ -155,7 +159,7 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
                                  "recipe: give --out too (the cached toy drafter keeps the default recipe)")
             print(build_toy_drafter(a.target, a.method, force=a.force))
             return 0
-        recipe = RECIPES[a.target]
+        recipe = recipe_for(a.target, a.method)
         if a.examples:
             recipe = recipe.model_copy(update={"examples": a.examples})
         if a.text_examples:
@@ -306,9 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="bfloat16/float16: relative top-2 logit gap under which a greedy token is re-decided by a "
                      "one-token forward (default: per dtype; 0: off; docs/engine.md, Precision)")
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--drafter", default=None,
-                     help="none (plain AR), ngram, a drafter checkpoint directory, or eagle2 / msd / hivis with a toy "
-                     "target")
+    gen.add_argument("--drafter", default="auto",
+                     help="auto (the default: the toy world's shipped drafter, the one measured fastest there, trained "
+                     "on first use; ngram for other targets), none (plain AR), ngram, a drafter checkpoint directory, "
+                     "or eagle2 / msd / hivis with a toy target")
     gen.add_argument("--tree-top-k", type=int, default=None,
                      help="fix the draft tree (unset ones: top-k 8, depth 5, 48 tokens); with no --tree-* flag the "
                      "tree is calibrated for this target, drafter and machine on first use and cached")

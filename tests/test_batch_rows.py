@@ -266,7 +266,7 @@ def test_job_spec_yaml_and_flags(tmp_path, ckpt):
     (tmp_path / "job.yaml").write_text(
         f"input: {tmp_path}/in.parquet\noutput: s3://b/out/\ndecode:\n  target: {ckpt}\n  max_new_tokens: 7\n")
     spec = JobSpec.from_yaml(tmp_path / "job.yaml", num_actors=2)
-    assert spec.num_actors == 2 and spec.decode.max_new_tokens == 7 and spec.decode.drafter == "ngram"
+    assert spec.num_actors == 2 and spec.decode.max_new_tokens == 7 and spec.decode.drafter == "auto"
     args = build_parser("instruct").parse_args(
         ["--config", str(tmp_path / "job.yaml"), "--temperature", "0.5", "--gpus-per-actor", "1", "--limit", "3",
          "--s3-endpoint", "http://127.0.0.1:9000", "--drafter", "none"])

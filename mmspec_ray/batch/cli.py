@@ -34,7 +34,8 @@ def build_parser(job: str) -> argparse.ArgumentParser:
         a("--clip-root", help="folder (local or s3://) of <youtube_id>_<start:06d>_<end:06d>.mp4 clips for a CSV input")
     a("--output", help="output directory (local or s3://); re-running resumes; default under $MMSPEC_HOME/batch/")
     a("--target", help=f"checkpoint dir or s3:// prefix, or a toy world name (default {DEFAULT_TOY})")
-    a("--drafter", help='"ngram", "none" or a drafter checkpoint dir (default: spec.DEFAULT_DRAFTER)')
+    a("--drafter", help='"auto" (the default: the toy world\'s shipped drafter, trained on first use; ngram for '
+      'other targets), "ngram", "none" or a drafter checkpoint dir')
     a("--toy", default=DEFAULT_TOY, help="toy world for the defaults (toy-s, toy-m)")
     a("--split", default=DEFAULT_SPLIT, help="toy world split for the default input")
     a("--num-actors", type=int)
@@ -57,7 +58,7 @@ def build_parser(job: str) -> argparse.ArgumentParser:
     a("--rows-per-file", type=int, help="combine output into files of at least N rows (default 64; 0: a file per "
       "block, i.e. per --rows-per-block rows)")
     a("--speedup-sample", type=int, help="rows per decoder also decoded with plain AR, for the measured speedup in "
-      "the summary (default 2; 0: off)")
+      "the summary (default 8; 0: off)")
     a("--device")
     a("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     a("--s3-endpoint", help="S3-compatible endpoint, e.g. http://127.0.0.1:9000 (default: AWS_ENDPOINT_URL)")
@@ -134,6 +135,10 @@ def plan(job: str, a: argparse.Namespace) -> tuple[JobSpec, pa.Table | None]:
     data = merge(data, flag_overrides(a))
     dec = data.setdefault("decode", {})
     dec["target"] = resolve_target(dec.get("target") or a.toy)
+    if dec.get("drafter", DEFAULT_DRAFTER) == "auto":  # trained here, once, before any decoder starts
+        from mmspec_ray.toy.drafter import resolve_auto_drafter
+
+        dec["drafter"] = resolve_auto_drafter("auto", dec["target"])
     media = dec.setdefault("media", {})
     media.setdefault("require", JOBS[job]["media"])
     if job == "caption_kinetics":

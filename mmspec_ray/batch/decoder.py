@@ -44,6 +44,10 @@ class SpecDecoder:
     def __init__(self, config: DecodeConfig | Mapping[str, Any], progress: Any = None,
                  max_row_crashes: int | None = None) -> None:
         cfg = config if isinstance(config, DecodeConfig) else DecodeConfig.model_validate(config)
+        if cfg.drafter == "auto":  # the batch jobs resolve it on the driver; Serve and direct use land here
+            from mmspec_ray.toy.drafter import resolve_auto_drafter
+
+            cfg = cfg.model_copy(update={"drafter": resolve_auto_drafter(cfg.drafter, cfg.target)})
         self.config = cfg = resolve_image_side(cfg)
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)

@@ -16,9 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from mmspec_ray.config import MediaLimits, S3Config, SamplingParams
 from mmspec_ray.spec.tree import TreeConfig
 
-# The single place where the batch jobs choose their default drafter. Switch this to the trained EAGLE-2 drafter
-# checkpoint (a directory with config.json + model.safetensors) once it ships; everything else follows.
-DEFAULT_DRAFTER = "ngram"
+# The default drafter of the batch jobs, Serve and `mmspec generate`: the drafter measured fastest on the target
+# where one ships (a toy world's, trained on first use: toy/drafter.py SHIPPED), else ngram (resolve_auto_drafter).
+DEFAULT_DRAFTER = "auto"
 
 # The embedded default world the jobs run on when no --target / --input is given.
 DEFAULT_TOY = "toy-s"
@@ -55,7 +55,9 @@ class DecodeConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     target: str = Field(..., description="checkpoint directory or s3:// prefix (save_pretrained layout)")
-    drafter: str = Field(DEFAULT_DRAFTER, description='"none", "ngram" or a trained drafter checkpoint directory')
+    drafter: str = Field(DEFAULT_DRAFTER, description=(
+        '"auto" (a toy world\'s shipped drafter, trained on first use; ngram for other targets), "none", "ngram" or '
+        "a trained drafter checkpoint directory or s3:// prefix"))
     device: str = Field("auto", description='"auto" (cuda when the actor has a GPU), "cpu", "cuda", "cuda:1" ...')
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     tree: TreeConfig | Literal["auto"] = Field("auto", description=(
@@ -76,7 +78,7 @@ class DecodeConfig(BaseModel):
     media: MediaSpec = MediaSpec()
     s3: S3Config = Field(default_factory=S3Config.from_env)
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads per decoder (None: leave)")
-    speedup_sample: int = Field(2, ge=0, description=(
+    speedup_sample: int = Field(8, ge=0, description=(
         "per decoder, this many rows (once the tree is calibrated) are decoded a second time with plain AR decoding, "
         "so the job summary states the speedup it measured; the AR answer is not written. 0: off"))
 

@@ -27,6 +27,7 @@ import pyarrow as pa
 
 from mmspec_ray.batch.decoder import SpecDecoder
 from mmspec_ray.batch.spec import CAPTION_PROMPT, DEFAULT_DRAFTER, DecodeConfig, JobSpec
+from mmspec_ray.toy.drafter import resolve_auto_drafter
 
 log = logging.getLogger("mmspec.bench.batch")
 
@@ -103,7 +104,7 @@ def _med(xs: list[float | None]) -> float | None:
 
 def bench_job(job: str, world, a: argparse.Namespace, tmp: str) -> dict[str, Any]:
     table, media = workload(job, world, a.split, a.limit.get(job))
-    cfg = DecodeConfig(target=str(world.target), drafter=a.drafter, max_new_tokens=a.max_new_tokens,
+    cfg = DecodeConfig(target=str(world.target), drafter=a.resolved_drafter, max_new_tokens=a.max_new_tokens,
                        default_prompt=CAPTION_PROMPT, media=media, torch_threads=a.torch_threads, device="cpu")
     reps: list[dict[str, Any]] = []
     for i in range(a.repeats):
@@ -199,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(a.torch_threads)
     world = wait_for_toy(a.toy)
+    a.resolved_drafter = resolve_auto_drafter(a.drafter, str(world.target))
     connect_ray(a.num_cpus)
     load0 = " ".join(f"{x:.1f}" for x in os.getloadavg())
     weights = Path(world.target) / "model.safetensors"
@@ -208,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         results = [bench_job(job, world, a, tmp) for job in a.jobs.split(",")]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    meta = {"world": f"{a.toy} ({world.root.name}, {a.split} split)", "drafter": a.drafter,
+    drafter = a.drafter if a.drafter == a.resolved_drafter else f"{a.drafter} ({a.resolved_drafter})"
+    meta = {"world": f"{a.toy} ({world.root.name}, {a.split} split)", "drafter": drafter,
             "max_new_tokens": a.max_new_tokens, "torch_threads": a.torch_threads, "repeats": a.repeats,
             "rows_per_block": a.rows_per_block, "cpus": os.cpu_count(), "platform": platform.platform(),
             "torch": torch.__version__, "loadavg_start": load0,

@@ -217,10 +217,22 @@ def calibration_dir() -> Path:
     return Path(os.environ.get("MMSPEC_HOME", Path.home() / ".cache" / "mmspec")) / "calibration"
 
 
+def weights_stamp(path: str) -> str:
+    """Size and modification time of a local checkpoint's weights ("" for anything else): a checkpoint trained
+    again in the same folder (e.g. a toy world's drafter under a new recipe) gets a tree calibrated for it."""
+    try:
+        st = (Path(path) / "model.safetensors").stat()
+    except (OSError, ValueError):
+        return ""
+    return f"{st.st_size}:{st.st_mtime_ns}"
+
+
 def calibration_key(target: Any, drafter: str) -> dict[str, str]:
-    return {"target": str(getattr(target.model, "name_or_path", "") or type(target.model).__name__),
-            "drafter": drafter, "device": device_name(target.device), "dtype": str(target.dtype),
-            "torch": torch.__version__}
+    name = str(getattr(target.model, "name_or_path", "") or type(target.model).__name__)
+    key = {"target": name, "drafter": drafter, "device": device_name(target.device), "dtype": str(target.dtype),
+           "torch": torch.__version__}
+    stamps = {k: weights_stamp(v) for k, v in (("target_weights", name), ("drafter_weights", drafter))}
+    return key | {k: v for k, v in stamps.items() if v}  # keys without weights on disk stay as they were
 
 
 def _cache_path(key: dict[str, str], suffix: str = ".json") -> Path:

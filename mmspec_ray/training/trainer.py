@@ -44,6 +44,8 @@ class TrainConfig(BaseModel):
     p_weight: float = 0.1
     seed: int = 0
     eval_max_new_tokens: int = 96
+    eval_every: int = Field(1, ge=1, description="held-out tau every this many epochs and after the last one (it "
+                            "decodes real prompts: seconds per epoch on a CPU, more than a small epoch's training)")
     text_epochs: int | None = Field(None, ge=0, description="stage-1 (text-only) epochs; None: the method's default")
     bucket_batches: int = Field(8, ge=1, description="length bucketing: consecutive items are sorted by length "
                                 "in chunks of this many batches (less padding, less varied batches)")
@@ -168,8 +170,9 @@ def train_drafter(method: str | TrainingMethod, target: VLMTarget, examples: lis
                "multimodal_share": sum(mm for mm, _ in items) / max(1, len(items)) if stages.mixed
                else stages.ratio(epoch + 1),
                "items": {"multimodal": sum(mm for mm, _ in items), "text": sum(not mm for mm, _ in items)}}
-        rec["heldout_tau"] = heldout_tau(target, m.drafter(copy.deepcopy(head), target), list(heldout), tree,
-                                         cfg.eval_max_new_tokens)
+        if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs:
+            rec["heldout_tau"] = heldout_tau(target, m.drafter(copy.deepcopy(head), target), list(heldout), tree,
+                                             cfg.eval_max_new_tokens)
         history.append(rec)
         log.info("%s drafter epoch %d: %s", m.name, epoch + 1, json.dumps(rec))
         head.save(out)
