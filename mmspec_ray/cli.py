@@ -242,6 +242,13 @@ def bench_workloads(a: argparse.Namespace, target: str) -> list:
     return out
 
 
+def bench_device(device: str) -> str:
+    """`--device` of the bench commands: auto is cuda when a GPU is visible, else cpu."""
+    import torch
+
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
     from mmspec_ray.bench.run import run_bench, write_results
     from mmspec_ray.targets import load_target
@@ -254,7 +261,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         drafters[label] = resolve_drafter(spec, a.target) + at + tree
     path = fetch_checkpoint(resolve_target(a.target))  # s3:// (S3Config.from_env) -> its local cache directory
     workloads = bench_workloads(a, str(path))
-    target = load_target(path, dtype=a.dtype)
+    target = load_target(path, device=bench_device(a.device), dtype=a.dtype)
     cfg = bench_config(a)
     res = run_bench(target, workloads, drafters, cfg, assistant=_assistant(a.assistant, a.target))
     res["command"] = "mmspec " + " ".join(sys.argv[1:])
@@ -358,9 +365,10 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--target", default="toy-s", help="toy-s / toy-m, a checkpoint directory or s3:// prefix")
     be.add_argument("--workloads", default="all",
                     help="comma list, measured in one run: toy workloads (all, instructions = image tasks, captions = "
-                         "video tasks, long = detail answers at max_new_tokens 160) and request parquets (file or "
-                         "directory, local or s3://, the batch jobs' rows: id, prompt or messages, image(_uri) / "
-                         "video(_uri)) as NAME=URI or URI; a checkpoint target needs parquets")
+                         "video tasks, long = detail answers at max_new_tokens 160, long_images = the same without "
+                         "video) and request parquets (file or directory, local or s3://, the batch jobs' rows: id, "
+                         "prompt or messages, image(_uri) / video(_uri)) as NAME=URI or URI; a checkpoint target "
+                         "needs parquets")
     be.add_argument("--drafter", default="eagle2",
                     help="comma list, run interleaved in one bench: eagle2 / msd / hivis (the toy world's), checkpoint dirs "
                          "or LABEL=DIR; '' for none. DRAFTER@auto: the tree calibrated for it on this machine; "
@@ -377,8 +385,11 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--tree-top-k", type=int, default=8)
     be.add_argument("--tree-depth", type=int, default=5)
     be.add_argument("--tree-tokens", type=int, default=48)
+    be.add_argument("--device", default="cpu",
+                    help="cpu (the default), cuda, cuda:N, or auto (cuda when a GPU is visible); the drafters and the "
+                    "HF assistant run on the target's device")
     be.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                    help="the target's dtype (as mmspec generate --dtype)")
+                    help="the target's dtype (as mmspec generate --dtype: auto is bfloat16 on cuda, float32 on cpu)")
     be.add_argument("--seed", type=int, default=0)
     be.add_argument("--no-peers", action="store_true",
                     help="AR and the --drafter methods only (no HF peers, ngram, oracle): tree sweeps")

@@ -29,6 +29,12 @@ def test_bench_records_every_method_and_token_counts_agree(tmp_path):
         assert toks <= ar, (m, toks, ar)  # same answer lengths as AR on the prompts it ran
     assert set(res["summary"]["0.0"]) >= {"ar", "hf_generate", "ngram", "oracle"}
     assert "oracle" not in res["summary"]["1.0"]
+    for m in ran:  # T = 0: the bench checks every run's answer against AR's (float32 on a CPU: all the same)
+        row = res["summary"]["0.0"][m]
+        assert row["runs"] == 2 and row["identical"] == 2, (m, row)
+    assert all("identical" not in r for r in res["runs"] if r["temperature"] == 1.0)
+    assert all("token_ids" not in r for r in res["runs"])
+    assert "runs whose answer is AR's, token for token: ar 2/2" in to_markdown(res, "tiny")
     oracle = res["summary"]["0.0"]["oracle"]
     assert oracle["tokens_per_forward"] > 2.0
     assert oracle["efficiency"] == pytest.approx(oracle["decode_speedup_median"] / oracle["ideal_speedup"])
@@ -178,3 +184,10 @@ def test_cycle_profile_splits_generate_into_forwards_and_the_engines_own_work():
     assert res["target verify forward"] + res["target prefill"] + res["drafter propose (its forwards + tree growth)"] \
         <= total
     assert res["tree growth's own Python"] < res["drafter propose (its forwards + tree growth)"]
+
+
+def test_same_answer_ignores_only_a_trailing_end_of_sequence():
+    from mmspec_ray.bench.run import same_answer
+
+    assert same_answer([5, 6, 2], [5, 6], {2}) and same_answer([5, 6], [5, 6, 2, 2], {2})
+    assert not same_answer([5, 6, 2], [5, 7, 2], {2}) and not same_answer([2, 5], [5], {2})

@@ -23,7 +23,8 @@ def test_workload_specs_name_toy_workloads_and_parquets():
     for bad, why in (("", "at least one"), ("long=x.parquet", "toy workload"), ("a=x.parquet,a=y.parquet", "twice")):
         with pytest.raises(ValueError, match=why):
             parse_workloads(bad)
-    assert set(TOY_WORKLOADS) == {"all", "instructions", "captions", "long"}
+    assert set(TOY_WORKLOADS) == {"all", "instructions", "captions", "long", "long_images"}
+    assert TOY_WORKLOADS["long_images"] == (("detail",), 160)  # long, less video (no PyAV needed)
 
 
 def test_bench_drafter_labels_leave_out_the_tree():

@@ -13,6 +13,7 @@ import statistics
 import torch
 
 from mmspec_ray.config import SamplingParams
+from mmspec_ray.spec import calibrate
 from mmspec_ray.spec.calibrate import verify_seconds  # what tree calibration measures, here reported on its own
 from mmspec_ray.spec.engine import AREngine
 from mmspec_ray.targets.base import Request, VLMTarget
@@ -38,13 +39,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", default="toy-m", choices=["toy-s", "toy-m"])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--sizes", default="1,4,8,16,24,32,48")
+    p.add_argument("--tasks", default="", help="comma-separated toy tasks of the prompts (default: all; e.g. the "
+                   "image tasks caption,detail,question,instruction where PyAV is missing)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (cuda when a GPU is visible)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on cuda, float32 on cpu")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     world = build_toy(a.target)
-    target = load_target(world.target)
-    reqs = list(toy_requests(world, "test", 4, seed=0))
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
+    target = load_target(world.target, device=device, dtype=a.dtype)
+    reqs = list(toy_requests(world, "test", 4, seed=0, tasks=tuple(a.tasks.split(",")) if a.tasks else None))
     steps = ar_step_seconds(target, reqs)
-    print(f"{a.target}, {a.threads} thread(s): AR step ms per prompt {[round(1e3 * s, 1) for s in steps]}, "
+    where = (f"{calibrate.device_name(target.device)}, {target.dtype}" if target.device.type == "cuda"
+             else f"{a.threads} thread(s)")
+    print(f"{a.target}, {where}: AR step ms per prompt {[round(1e3 * s, 1) for s in steps]}, "
           f"median {1e3 * statistics.median(steps):.1f}")
     v = verify_seconds(target, target.encode(reqs[0]), tuple(int(x) for x in a.sizes.split(",")))
     print("verify forward: " + ", ".join(f"n={n}: {1e3 * s:.1f} ms ({s / v[min(v)]:.2f}x)" for n, s in v.items()))

@@ -32,7 +32,7 @@ from mmspec_ray.config import SamplingParams
 from mmspec_ray.drafters.base import load_drafter
 from mmspec_ray.drafters.ngram import NgramDrafter
 from mmspec_ray.drafters.oracle import OracleDrafter
-from mmspec_ray.spec.calibrate import auto_tree
+from mmspec_ray.spec.calibrate import auto_tree, device_name
 from mmspec_ray.spec.engine import AREngine, SpecEngine
 from mmspec_ray.spec.tree import TreeConfig
 from mmspec_ray.targets.base import Request, VLMTarget
@@ -64,7 +64,8 @@ def _hf_runner(target: VLMTarget, req: Request, max_new_tokens: int, sampling: S
         torch.manual_seed(sampling.seed or 0)
         with torch.inference_mode():
             out = target.model.generate(**inputs, **kw)
-        return out.shape[1] - inputs["input_ids"].shape[1], {}
+        n = inputs["input_ids"].shape[1]
+        return out.shape[1] - n, {"token_ids": out[0, n:].tolist()}  # the copy to the host also waits for a GPU
 
     return run
 
@@ -87,9 +88,21 @@ def _engine_runner(engine: SpecEngine, req: Request, max_new_tokens: int,
                                   "draft_passes": st.draft_passes,
                                   "drafter_prefill_s": st.drafter_prefill_s,
                                   "drafter_prefill_tokens": st.drafter_prefill_tokens, "prompt_tokens": st.prompt_tokens,
-                                  "accepted_hist": accepted_counts(st.accepted_per_cycle)}
+                                  "accepted_hist": accepted_counts(st.accepted_per_cycle),
+                                  "token_ids": list(g.token_ids)}
 
     return run
+
+
+def same_answer(a: list[int], b: list[int], eos: set[int]) -> bool:
+    """Two answers are the same token for token, a trailing end-of-sequence token aside (HF generate returns it)."""
+    def strip(ids: list[int]) -> list[int]:
+        ids = list(ids)
+        while ids and ids[-1] in eos:
+            ids.pop()
+        return ids
+
+    return strip(a) == strip(b)
 
 
 def split_tree(spec: str) -> tuple[str, TreeConfig | str | None]:
@@ -138,6 +151,7 @@ def run_bench(target: VLMTarget, requests: list[Request] | list[Workload], draft
     items = [(w.name, req, w.max_new_tokens or cfg.max_new_tokens) for w in workloads for req in w.requests]
     requests = [req for _, req, _ in items]
     results: dict = {"config": cfg.model_dump(), "machine": platform.processor() or platform.machine(),
+                     "device": device_name(target.device), "torch": torch.__version__,
                      "torch_threads": torch.get_num_threads(), "dtype": str(target.dtype).removeprefix("torch."),
                      "runs": [], "trees": {},
                      "workload_info": {w.name: {"source": w.source, "prompts": len(w.requests),
@@ -186,9 +200,12 @@ def run_bench(target: VLMTarget, requests: list[Request] | list[Workload], draft
                 for name, fn in methods.items():  # interleaved
                     t0 = time.perf_counter()
                     ntok, extra = fn()
+                    seconds = time.perf_counter() - t0
+                    ids = extra.pop("token_ids")
+                    if temp == 0.0:  # greedy: every method must give AR's answer (the bench's losslessness check)
+                        extra["identical"] = same_answer(ids, ref.token_ids, target.eos_token_ids)
                     results["runs"].append({"temperature": temp, "prompt": pi, "workload": workload, "repeat": rep,
-                                            "method": name,
-                                            "seconds": time.perf_counter() - t0, "tokens": ntok, **extra})
+                                            "method": name, "seconds": seconds, "tokens": ntok, **extra})
             log.info("bench T=%s prompt %d/%d (%s) done", temp, pi + 1, len(items), workload)
     results["summary"] = summarize(results["runs"])
     if len(workloads) > 1:
@@ -224,6 +241,8 @@ def summarize(runs: list[dict]) -> dict:
             row = {"prompts": len(mine), "speedup_median": statistics.median(sp), "speedup_min": min(sp),
                    "speedup_max": max(sp),
                    "tokens_per_s": sum(r["tokens"] for r in mr) / sum(r["seconds"] for r in mr)}
+            if "identical" in mr[0]:  # T = 0: runs whose answer is AR's, token for token
+                row.update(identical=sum(r["identical"] for r in mr), runs=len(mr))
             if "cycles" in mr[0]:
                 acc = sum(r["accepted"] for r in mr) / max(1, sum(r["cycles"] for r in mr))
                 row.update(accepted_per_cycle=acc, tokens_per_forward=acc + 1)
@@ -293,6 +312,9 @@ def summary_markdown(summary: dict) -> list[str]:
             if r.get("efficiency") is not None:
                 lines.append(f"| (oracle: ideal {r['ideal_speedup']:.2f}x, efficiency {r['efficiency']:.0%} of it, decode-only) |"
                              " | | | | | | | | | | |")
+        same = [f"{m} {r['identical']}/{r['runs']}" for m, r in table.items() if "identical" in r]
+        if same:
+            lines += ["", "runs whose answer is AR's, token for token: " + ", ".join(same)]
         per_pass = [f"{m} {r['accepted_per_pass']:.2f} ({r['passes_per_cycle']:.2f} passes/cycle)"
                     for m, r in table.items() if "accepted_per_pass" in r]
         if per_pass:
@@ -303,6 +325,8 @@ def summary_markdown(summary: dict) -> list[str]:
 
 def to_markdown(results: dict, title: str) -> str:
     lines = [f"### {title}", ""]
+    if "device" in results:  # older results have none
+        lines += [f"Device: {results['device']}; {results['dtype']}; torch {results.get('torch', '?')}.", ""]
     if "workloads" in results:
         lines += matrix_markdown(results)
         for name, summary in results["workloads"].items():

@@ -22,6 +22,7 @@ TOY_WORKLOADS: dict[str, tuple[tuple[str, ...] | None, int | None]] = {
     "instructions": (("caption", "detail", "question", "instruction"), None),
     "captions": (("video_caption", "video_detail"), None),
     "long": (("detail", "video_detail"), 160),
+    "long_images": (("detail",), 160),  # long answers without video (no PyAV needed: e.g. a GPU box without it)
 }
 
 
@@ -51,7 +52,7 @@ def parse_workloads(spec: str) -> list[tuple[str, str]]:
             raise ValueError(f"--workloads: the name {name!r} is given twice; name them NAME=URI")
         out.append((name, uri))
     if not out:
-        raise ValueError("--workloads: give at least one (all, instructions, captions, long, or a request parquet)")
+        raise ValueError("--workloads: give at least one (all, instructions, captions, long, long_images, or a request parquet)")
     return out
 
 

@@ -107,6 +107,8 @@ class SpecEngine:
             cycle_passes, stats.draft_passes = passes - stats.draft_passes, passes
             ancestors = tree.ancestors  # [n, n] the tree mask, also each node's history for the processors
             v = t.verify(tree.tokens, ancestors, tree.depth)
+            if v.logits.is_cuda:  # a GPU runs the forward asynchronously: its time is verify's, not bookkeeping's
+                torch.cuda.synchronize(v.logits.device)
             ta = time.perf_counter()
             logits = history.tree_logits(v.logits[0], tree.tokens, ancestors)
             path, bonus = accept(tree, logits, sampling, gen, self.tie_margin)
