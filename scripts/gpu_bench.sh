@@ -4,7 +4,8 @@
 #   MMSPEC_HOME  holding the toy-s world (target, test split, drafters/eagle2): toy-m is grown from it here
 #   HIVIS        toy-m's HiViS drafter (its shipped one)
 #   RNG_STATE, EXPECT  for scripts/gpu_grow_toy_m.py: grow the very toy-m measured on the CPU, and check it
-# Optional: DEVICE (cuda), DTYPE (float32), PROMPTS (per workload, 4), REPEATS (3), PY (python3), OUT (out/gpu).
+# Optional: DEVICE (cuda), DTYPE (float32), PROMPTS (per workload, 4), REPEATS (3), PROMPTS_M / REPEATS_M (toy-m's,
+# 2 / 2), PY (python3), OUT (out/gpu).
 # A step that fails or runs out of its time is logged and the next one runs; the smoke test alone stops the run.
 set -uo pipefail
 OUT=${OUT:-out/gpu}
@@ -14,6 +15,7 @@ PROMPTS=${PROMPTS:-4}
 REPEATS=${REPEATS:-3}
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # run from the repo root
+$PY -c "import av" 2> /dev/null || export PYTHONPATH=$PYTHONPATH:$PWD/scripts/no_pyav  # no PyAV: images only
 mkdir -p "$OUT"
 S=$MMSPEC_HOME/toy/toy-s-seed0-v5
 COSTS="--sizes 1,2,4,8,16,32,64 --tasks caption,detail,question,instruction"  # image prompts: video needs PyAV
@@ -54,7 +56,11 @@ step costs_toy_m_bf16 60 $PY -m mmspec_ray.bench.costs --target toy-m --device "
 
 # 3. The bench: every method interleaved, a fixed tree and the tree calibrated on this device. Video workloads need
 #    PyAV, which a lent machine lacks: long_images is the long-answer workload without video.
-bench toy-m-t0 240 toy-m instructions,long_images "hivis=$HIVIS,hivis_auto=$HIVIS@auto" 0
+#    toy-m is slower (a 21 ms step on an H200, all launches and Python): 4 prompts x 3 repeats overran 240 s there,
+#    so it runs 2 x 2 unless PROMPTS_M / REPEATS_M say otherwise.
+PROMPTS=${PROMPTS_M:-2} REPEATS=${REPEATS_M:-2} \
+    bench toy-m-t0 240 toy-m instructions,long_images "hivis=$HIVIS,hivis_auto=$HIVIS@auto" 0
 bench toy-s-t0 120 toy-s instructions,long_images "eagle2=$S/drafters/eagle2,eagle2_auto=$S/drafters/eagle2@auto" 0
-bench toy-m-t1 180 toy-m instructions,long_images "hivis=$HIVIS,hivis_auto=$HIVIS@auto" 1
+PROMPTS=${PROMPTS_M:-2} REPEATS=${REPEATS_M:-2} \
+    bench toy-m-t1 180 toy-m instructions,long_images "hivis=$HIVIS,hivis_auto=$HIVIS@auto" 1
 echo "=== done $(date +%T)"

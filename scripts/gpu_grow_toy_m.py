@@ -2,8 +2,10 @@
 not fit its 64 MiB transfer), and check that the weights are the ones measured elsewhere.
 
 toy/grow.py draws the new layers' readers from torch's global RNG, so the grown weights depend on what the process
-ran before the grow (see docs/benchmarks.md, "On a GPU"), and on the CPU's thread split and vector width. `--rng-state` restores the state saved at the grow of the world
-to reproduce; `--expect` is that world's `scripts/weights_digest.py` digest, checked after the grow.
+ran before the grow (see docs/benchmarks.md, "On a GPU"), and on the CPU's thread split and vector width.
+`--rng-state` restores the state saved at the grow of the world to reproduce; `--expect` is that world's
+`scripts/weights_digest.py` digest, checked after the grow (a torch 2.11 box with another CPU still grew other
+weights from the same state).
 `MMSPEC_HOME=... python scripts/gpu_grow_toy_m.py --rng-state rng.pt --expect DIGEST`
 """
 

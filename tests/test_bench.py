@@ -191,3 +191,40 @@ def test_same_answer_ignores_only_a_trailing_end_of_sequence():
 
     assert same_answer([5, 6, 2], [5, 6], {2}) and same_answer([5, 6], [5, 6, 2, 2], {2})
     assert not same_answer([5, 6, 2], [5, 7, 2], {2}) and not same_answer([2, 5], [5], {2})
+
+
+def test_bench_device_flag(monkeypatch):
+    """`mmspec bench --device`: cpu by default, auto follows the GPU's presence; `bench.costs` takes the same."""
+    import torch
+
+    from mmspec_ray.cli import bench_device, build_parser
+
+    assert build_parser().parse_args(["bench"]).device == "cpu"
+    assert build_parser().parse_args(["bench", "--device", "cuda:1"]).device == "cuda:1"
+    assert bench_device("cuda:1") == "cuda:1"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench_device("auto") == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert bench_device("auto") == "cuda"
+
+
+def test_weights_digest_reads_tensors_not_file_bytes(tmp_path):
+    """scripts/weights_digest.py (the GPU bench's check that a regrown toy-m is the measured one): the same tensors
+    written with other metadata give the same digest; one changed value gives another."""
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import save_file
+
+    script = Path(__file__).parents[1] / "scripts" / "weights_digest.py"
+    spec = importlib.util.spec_from_file_location("weights_digest", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    t = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16)}
+    save_file(t, str(tmp_path / "x.safetensors"), metadata={"format": "pt"})
+    save_file(dict(reversed(list(t.items()))), str(tmp_path / "y.safetensors"), metadata={"other": "1"})
+    t["a"][1, 2] = 7.0
+    save_file(t, str(tmp_path / "z.safetensors"))
+    x, y, z = (mod.digest(tmp_path / f"{n}.safetensors") for n in "xyz")
+    assert x == y != z

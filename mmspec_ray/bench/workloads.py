@@ -52,7 +52,8 @@ def parse_workloads(spec: str) -> list[tuple[str, str]]:
             raise ValueError(f"--workloads: the name {name!r} is given twice; name them NAME=URI")
         out.append((name, uri))
     if not out:
-        raise ValueError("--workloads: give at least one (all, instructions, captions, long, long_images, or a request parquet)")
+        raise ValueError("--workloads: give at least one (all, instructions, captions, long, long_images, or a "
+                         "request parquet)")
     return out
 
 

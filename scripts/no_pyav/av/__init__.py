@@ -1,0 +1,10 @@
+"""Stand-in for PyAV on a machine without it (scripts/gpu_bench.sh puts it on the path only then): mmspec_ray imports
+PyAV at module level, so image-only runs need the name; any use of it fails, saying why."""
+
+
+class FFmpegError(Exception):
+    """The one name used in `except` clauses (never raised here)."""
+
+
+def __getattr__(name: str):
+    raise ImportError(f"PyAV is not installed on this machine (av.{name}): video workloads cannot run here")
