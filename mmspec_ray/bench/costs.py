@@ -31,6 +31,7 @@ def ar_step_seconds(target: VLMTarget, requests: list[Request], new_tokens: int 
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mmspec_ray.cli import bench_device
     from mmspec_ray.targets.registry import load_target
     from mmspec_ray.toy.build import build_toy
     from mmspec_ray.toy.prompts import toy_requests
@@ -47,8 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     world = build_toy(a.target)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
-    target = load_target(world.target, device=device, dtype=a.dtype)
+    target = load_target(world.target, device=bench_device(a.device), dtype=a.dtype)
     reqs = list(toy_requests(world, "test", 4, seed=0, tasks=tuple(a.tasks.split(",")) if a.tasks else None))
     steps = ar_step_seconds(target, reqs)
     where = (f"{calibrate.device_name(target.device)}, {target.dtype}" if target.device.type == "cuda"
