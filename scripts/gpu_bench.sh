@@ -8,6 +8,7 @@
 # 2 / 2), PY (python3), OUT (out/gpu).
 # A step that fails or runs out of its time is logged and the next one runs; the smoke test alone stops the run.
 set -uo pipefail
+: "${MMSPEC_HOME:?}" "${HIVIS:?}" "${RNG_STATE:?}" "${EXPECT:?}"  # all needed: fail now, not half-way
 OUT=${OUT:-out/gpu}
 DEVICE=${DEVICE:-cuda}
 DTYPE=${DTYPE:-float32}
@@ -46,17 +47,24 @@ cat "$OUT/env.log"
 
 # 1. Does the engine run on this device at all, and give AR's answers? (2 prompts, toy-s, eagle2)
 PROMPTS=2 REPEATS=1 bench smoke 150 toy-s instructions "eagle2=$S/drafters/eagle2" 0 || exit 1
+$PY - "$OUT/smoke/bench.json" <<'PYEOF' || exit 1
+import json, sys
+rows = json.load(open(sys.argv[1]))["summary"]["0.0"]
+bad = {m: f"{r['identical']}/{r['runs']}" for m, r in rows.items() if r.get("identical") != r.get("runs")}
+print("smoke: every greedy run is AR's answer" if not bad else f"smoke: answers differ from AR's: {bad}")
+sys.exit(1 if bad else 0)
+PYEOF
 
 # 2. What a verify costs against an AR step (the reason trees pay on a GPU and barely on a CPU).
 step costs_toy_s 60 $PY -m mmspec_ray.bench.costs --target toy-s --device "$DEVICE" --dtype "$DTYPE" $COSTS
 ATEN_CPU_CAPABILITY=avx2 step grow_toy_m 90 $PY scripts/gpu_grow_toy_m.py --rng-state "$RNG_STATE" --expect "$EXPECT" \
-    || echo "=== toy-m is not the one measured on the CPU (see grow_toy_m.log): compare its figures with care"
+    || echo "=== toy-m's grow failed or gave other weights than the CPU's (grow_toy_m.log): compare with care"
 step costs_toy_m 60 $PY -m mmspec_ray.bench.costs --target toy-m --device "$DEVICE" --dtype "$DTYPE" $COSTS
 step costs_toy_m_bf16 60 $PY -m mmspec_ray.bench.costs --target toy-m --device "$DEVICE" --dtype bfloat16 $COSTS
 
 # 3. The bench: every method interleaved, a fixed tree and the tree calibrated on this device. Video workloads need
 #    PyAV, which a lent machine lacks: long_images is the long-answer workload without video.
-#    toy-m is slower (a 21 ms step on an H200, all launches and Python): 4 prompts x 3 repeats overran 240 s there,
+#    toy-m is slower (15-21 ms a step on an H200): 4 prompts x 3 repeats overran 240 s there,
 #    so it runs 2 x 2 unless PROMPTS_M / REPEATS_M say otherwise.
 PROMPTS=${PROMPTS_M:-2} REPEATS=${REPEATS_M:-2} \
     bench toy-m-t0 240 toy-m instructions,long_images "hivis=$HIVIS,hivis_auto=$HIVIS@auto" 0

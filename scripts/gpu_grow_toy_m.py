@@ -40,7 +40,7 @@ def main() -> int:
         return grow(*args, **kw)
 
     build.grow_llava = seeded_grow
-    world = build.build_toy("toy-m")
+    world = build.build_toy("toy-m", force=True)  # a cached toy-m would ignore --rng-state
     got = digest(world.target)
     print(f"toy-m target weights digest {got}" + (f" (expected {a.expect})" if a.expect else ""))
     if a.expect and got != a.expect:

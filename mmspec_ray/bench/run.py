@@ -172,7 +172,9 @@ def run_bench(target: VLMTarget, requests: list[Request] | list[Workload], draft
     for temp in cfg.temperatures:
         sampling = SamplingParams(temperature=temp, top_k=0, top_p=1.0, seed=cfg.seed)
         for pi, (workload, req, max_new) in enumerate(items):
-            ref = ar.generate(req, SamplingParams(), max_new_tokens=max_new)  # warm-up + oracle answer
+            # warm-up + the greedy answer (the oracle's, and what every T = 0 run must give), greedy even where the
+            # checkpoint's generation config samples
+            ref = ar.generate(req, SamplingParams(temperature=0.0, top_k=0, top_p=1.0), max_new_tokens=max_new)
             methods: dict[str, Callable[[], tuple[int, dict]]] = {
                 "ar": _engine_runner(ar, req, max_new, sampling)}
             if cfg.peers:
@@ -204,6 +206,9 @@ def run_bench(target: VLMTarget, requests: list[Request] | list[Workload], draft
                     ids = extra.pop("token_ids")
                     if temp == 0.0:  # greedy: every method must give AR's answer (the bench's losslessness check)
                         extra["identical"] = same_answer(ids, ref.token_ids, target.eos_token_ids)
+                        if not extra["identical"]:
+                            log.warning("bench: %s's answer to prompt %d differs from AR's (T = 0, %s)", name, pi,
+                                        target.dtype)
                     results["runs"].append({"temperature": temp, "prompt": pi, "workload": workload, "repeat": rep,
                                             "method": name, "seconds": seconds, "tokens": ntok, **extra})
             log.info("bench T=%s prompt %d/%d (%s) done", temp, pi + 1, len(items), workload)

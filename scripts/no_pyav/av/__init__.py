@@ -6,5 +6,10 @@ class FFmpegError(Exception):
     """The one name used in `except` clauses (never raised here)."""
 
 
+class PyAVMissing(AttributeError):
+    """Raised on any use (an AttributeError, so hasattr / getattr(av, name, default) behave; ImportError and
+    AttributeError cannot share a class)."""
+
+
 def __getattr__(name: str):
-    raise ImportError(f"PyAV is not installed on this machine (av.{name}): video workloads cannot run here")
+    raise PyAVMissing(f"PyAV is not installed on this machine (av.{name}): video workloads cannot run here")
