@@ -242,13 +242,6 @@ def bench_workloads(a: argparse.Namespace, target: str) -> list:
     return out
 
 
-def bench_device(device: str) -> str:
-    """`--device` of the bench commands: auto is cuda when a GPU is visible, else cpu."""
-    import torch
-
-    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-
-
 def cmd_bench(a: argparse.Namespace) -> int:
     from mmspec_ray.bench.run import run_bench, write_results
     from mmspec_ray.targets import load_target
@@ -261,7 +254,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         drafters[label] = resolve_drafter(spec, a.target) + at + tree
     path = fetch_checkpoint(resolve_target(a.target))  # s3:// (S3Config.from_env) -> its local cache directory
     workloads = bench_workloads(a, str(path))
-    target = load_target(path, device=bench_device(a.device), dtype=a.dtype)
+    target = load_target(path, device=a.device, dtype=a.dtype)
     cfg = bench_config(a)
     res = run_bench(target, workloads, drafters, cfg, assistant=_assistant(a.assistant, a.target))
     res["command"] = "mmspec " + " ".join(sys.argv[1:])

@@ -194,18 +194,19 @@ def test_same_answer_ignores_only_a_trailing_end_of_sequence():
 
 
 def test_bench_device_flag(monkeypatch):
-    """`mmspec bench --device`: cpu by default, auto follows the GPU's presence; `bench.costs` takes the same."""
+    """`mmspec bench --device`: cpu by default; auto (resolved where every target is loaded) follows the GPU."""
     import torch
 
-    from mmspec_ray.cli import bench_device, build_parser
+    from mmspec_ray.cli import build_parser
+    from mmspec_ray.targets.registry import resolve_device_name
 
     assert build_parser().parse_args(["bench"]).device == "cpu"
     assert build_parser().parse_args(["bench", "--device", "cuda:1"]).device == "cuda:1"
-    assert bench_device("cuda:1") == "cuda:1"
+    assert resolve_device_name("cuda:1") == "cuda:1"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert bench_device("auto") == "cpu"
+    assert resolve_device_name("auto") == "cpu"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert bench_device("auto") == "cuda"
+    assert resolve_device_name("auto") == "cuda"
 
 
 def test_weights_digest_reads_tensors_not_file_bytes(tmp_path):

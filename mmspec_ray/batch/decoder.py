@@ -25,16 +25,14 @@ from mmspec_ray.spec.calibrate import auto_tree
 from mmspec_ray.spec.engine import AREngine, SpecEngine
 from mmspec_ray.spec.output import Generation
 from mmspec_ray.targets import InvalidRequest, PromptTooLong, Request, TargetError, load_target
-from mmspec_ray.targets.registry import resolve_dtype
+from mmspec_ray.targets.registry import resolve_device_name, resolve_dtype
 
 log = logging.getLogger(__name__)
 
 
 def resolve_device(cfg: DecodeConfig) -> tuple[str, torch.dtype]:
     """(device, dtype) for this process: "auto" picks cuda when a GPU is visible (bf16 there, fp32 on CPU)."""
-    device = cfg.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device_name(cfg.device)
     return device, resolve_dtype(cfg.dtype, device)
 
 

@@ -13,8 +13,7 @@ import statistics
 import torch
 
 from mmspec_ray.config import SamplingParams
-from mmspec_ray.spec import calibrate
-from mmspec_ray.spec.calibrate import verify_seconds  # what tree calibration measures, here reported on its own
+from mmspec_ray.spec.calibrate import device_name, verify_seconds  # what tree calibration measures, here reported on its own
 from mmspec_ray.spec.engine import AREngine
 from mmspec_ray.targets.base import Request, VLMTarget
 
@@ -31,7 +30,6 @@ def ar_step_seconds(target: VLMTarget, requests: list[Request], new_tokens: int 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mmspec_ray.cli import bench_device
     from mmspec_ray.targets.registry import load_target
     from mmspec_ray.toy.build import build_toy
     from mmspec_ray.toy.prompts import toy_requests
@@ -48,10 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     world = build_toy(a.target)
-    target = load_target(world.target, device=bench_device(a.device), dtype=a.dtype)
+    target = load_target(world.target, device=a.device, dtype=a.dtype)
     reqs = list(toy_requests(world, "test", 4, seed=0, tasks=tuple(a.tasks.split(",")) if a.tasks else None))
     steps = ar_step_seconds(target, reqs)
-    where = (f"{calibrate.device_name(target.device)}, {target.dtype}" if target.device.type == "cuda"
+    where = (f"{device_name(target.device)}, {target.dtype}" if target.device.type == "cuda"
              else f"{a.threads} thread(s)")
     print(f"{a.target}, {where}: AR step ms per prompt {[round(1e3 * s, 1) for s in steps]}, "
           f"median {1e3 * statistics.median(steps):.1f}")

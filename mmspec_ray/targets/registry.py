@@ -21,6 +21,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DTYPE_NAMES = ("auto", *DTYPES)  # what every entry point's `dtype` accepts
 
 
+def resolve_device_name(device: str | torch.device) -> str | torch.device:
+    """The device a target is loaded on: "auto" is cuda when a GPU is visible, else cpu; anything else as given."""
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device = "cpu") -> torch.dtype:
     """The torch dtype a target is loaded in: a name in DTYPE_NAMES or a torch dtype; "auto" (or None) means
     bfloat16 on cuda and float32 elsewhere. Only float32 gives HF generate's greedy output token for token in
@@ -94,7 +99,8 @@ def wrap(model, processor, feature_layers: tuple[int, ...] = ()) -> VLMTarget:
 def load_target(path_or_uri: str | Path, device: str = "cpu", dtype: str | torch.dtype | None = None,
                 feature_layers: tuple[int, ...] = (), s3: S3Config | None = None) -> VLMTarget:
     """Load a checkpoint (local directory or s3://bucket/prefix) with the stock Auto classes and wrap it.
-    `dtype`: a torch dtype or a name (auto, float32, bfloat16, float16; see `resolve_dtype`); None: float32."""
+    `device`: a torch device or "auto" (`resolve_device_name`); `dtype`: a torch dtype or a name (auto, float32,
+    bfloat16, float16; see `resolve_dtype`); None: float32."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     path = fetch_checkpoint(str(path_or_uri), s3)
@@ -118,6 +124,7 @@ def load_target(path_or_uri: str | Path, device: str = "cpu", dtype: str | torch
         raise TargetError(f"checkpoint {path}: AutoProcessor loaded only a {type(processor).__name__}, not a "
                           f"multimodal processor ({why}); save the stock processor next to the model "
                           "(processor.save_pretrained)")
+    device = resolve_device_name(device)
     dtype = torch.float32 if dtype is None else resolve_dtype(dtype, device)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device)
     return wrap(model, processor, feature_layers)
