@@ -22,6 +22,7 @@ from mmspec_ray.config import MediaLimits, S3Config
 from mmspec_ray.media import MediaError, VideoClip, load_image, load_video
 from mmspec_ray.media.image import decode_image_bytes
 from mmspec_ray.media.io import read_bytes
+import mmspec_ray.media.video as video_mod
 from mmspec_ray.media.video import decode_video_bytes, mp4_box_overrun, uniform_indices
 
 W, H = 64, 48  # frame / image size used throughout
@@ -467,6 +468,14 @@ def test_uniform_sampling_from_path_and_file_uri(tmp_path, mp4_h264):
         check_clip(clip, want)
         for a, b in zip(clip.frames, from_bytes.frames):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_threaded_and_single_threaded_decoding_give_the_same_frames(mp4, monkeypatch):
+    """Small frames decode and convert on one thread, large ones threaded (THREADED_VIDEO_PIXELS): only the speed differs."""
+    one = decode_video_bytes(mp4, num_frames=6).frames
+    monkeypatch.setattr(video_mod, "THREADED_VIDEO_PIXELS", 0)
+    threaded = decode_video_bytes(mp4, num_frames=6).frames
+    assert len(one) == 6 and [f.tobytes() for f in one] == [f.tobytes() for f in threaded]
 
 
 def test_default_is_eight_uniform_frames(mp4_h264):

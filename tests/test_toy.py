@@ -6,6 +6,7 @@ import csv
 import dataclasses
 import hashlib
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from mmspec_ray.toy.build import (BUILD_VERSION, SPLITS, ToyWorld, build_world, 
                                    world_dir, write_data)
 from mmspec_ray.toy.clips import sample_clip
 from mmspec_ray.toy.grow import grow_llava
-from mmspec_ray.toy.media_jobs import encode_media, load_media, parallel_map
+from mmspec_ray.toy.media_jobs import encode_media, load_media, load_pixels, parallel_map
 from mmspec_ray.toy.model import TOY_SIZES, build_model, build_processor
 from mmspec_ray.toy.quality import is_degenerate, parse_objects
 from mmspec_ray.toy.scenes import sample_scene
@@ -76,6 +77,11 @@ def test_media_work_in_worker_processes_matches_in_process(tmp_path: Path) -> No
     assert [len(f) for f in decoded] == [4 if kind == "video" else 1 for _, kind, _ in loads]
     assert all(np.array_equal(np.asarray(a), np.asarray(b))
                for got, job in zip(decoded, loads) for a, b in zip(got, load_media(job), strict=True))
+    # the build's variant: decoded and preprocessed by the processor in the workers, the same values as here
+    processor = build_processor(TOY_SIZES["toy-s"], train_tokenizer(["a b c"] * 10))
+    pixels = parallel_map(partial(load_pixels, processor.image_processor), loads, "decode", "file")
+    here = np.stack(processor.image_processor(images=[f for got in decoded for f in got])["pixel_values"])
+    assert np.array_equal(np.concatenate(pixels), here) and here.shape == (100 + 40 * 4, 3, 96, 96)
 
 
 def test_splits_share_no_scene_or_clip() -> None:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from typing import TypeVar
 
+import numpy as np
 from PIL import Image
 from tqdm.auto import tqdm
 
@@ -42,3 +43,9 @@ def load_media(job: tuple[str, str, int]) -> list[Image.Image]:
     """(path, "image" | "video", frames) -> the RGB frames: one image, or a clip's `frames` uniform samples."""
     src, media_type, frames = job
     return [load_image(src)] if media_type == "image" else load_video(src, frames).frames
+
+
+def load_pixels(image_processor, job: tuple[str, str, int]) -> np.ndarray:
+    """`load_media`, then the processor's own preprocessing: [frames, 3, H, W] pixel values. In the workers, so the
+    preprocessing runs on both cores too (bind the processor with functools.partial)."""
+    return np.stack(image_processor(images=load_media(job))["pixel_values"])
