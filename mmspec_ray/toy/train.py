@@ -12,7 +12,6 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 from transformers import LlavaForConditionalGeneration, LlavaProcessor
-from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from mmspec_ray.toy.vocab import ACTIONS
 
@@ -112,11 +111,10 @@ def schedule(groups: list[PackedItem], epochs: float, video_epochs: float, batch
 
 
 def collate(groups: list[PackedItem], idx: list[int], pixels: torch.Tensor, pad_id: int,
-            dtype: torch.dtype = torch.float32, features: torch.Tensor | None = None) -> dict:
+            dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Model inputs for packed rows: ids, labels (answer tokens only), position ids and the additive tree mask
     [B, 1, L, L]. Labels at a branch's first token are prompt (-100), so HF's in-row label shift never makes one
-    branch predict the next. With `features` (the projected image features of every row of `pixels`,
-    `image_feature_bank`), the rows' images are passed as encoder outputs instead of pixels."""
+    branch predict the next."""
     B, L = len(idx), max(len(groups[i]) for i in idx)
     ids = torch.full((B, L), pad_id, dtype=torch.long)
     labels = torch.full((B, L), -100, dtype=torch.long)
@@ -140,20 +138,8 @@ def collate(groups: list[PackedItem], idx: list[int], pixels: torch.Tensor, pad_
             s += n
         media += list(g.media)
     mask = torch.zeros((B, 1, L, L), dtype=dtype).masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
-    out = {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "labels": labels}
-    if features is None:
-        out["pixel_values"] = pixels[media]
-    else:
-        out["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=tuple(features[media]))}
-    return out
-
-
-@torch.no_grad()
-def image_feature_bank(model: LlavaForConditionalGeneration, pixels: torch.Tensor, chunk: int = 512) -> torch.Tensor:
-    """[N, patches, d_text] projected features of every image in `pixels`, computed once. With the tower and the
-    projector frozen, stage 2 reads them from here instead of re-running the tower on every step's images (the
-    same values bit for bit: an image's features do not depend on the batch it is computed in, tested)."""
-    return torch.cat([_features(model, pixels[i:i + chunk]) for i in range(0, pixels.shape[0], chunk)])
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "labels": labels,
+            "pixel_values": pixels[media]}
 
 
 def train_target(model: LlavaForConditionalGeneration, groups: list[PackedItem], pixels: torch.Tensor, *,
@@ -174,7 +160,6 @@ def train_target(model: LlavaForConditionalGeneration, groups: list[PackedItem],
     if freeze_vision:
         model.model.vision_tower.requires_grad_(False)
         model.model.multi_modal_projector.requires_grad_(False)
-    features = image_feature_bank(model, pixels) if freeze_vision else None
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -184,7 +169,7 @@ def train_target(model: LlavaForConditionalGeneration, groups: list[PackedItem],
     t0 = time.time()
     bar = tqdm(batches, desc="train toy target", unit="step")
     for step, idx in enumerate(bar, 1):
-        out = model(**collate(groups, idx, pixels, pad_id, model.dtype, features))
+        out = model(**collate(groups, idx, pixels, pad_id, model.dtype))
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
