@@ -10,8 +10,8 @@ import torch
 
 from mmspec_ray.drafters.eagle import Eagle2Drafter
 from mmspec_ray.spec import calibrate
-from mmspec_ray.spec.calibrate import (TreeCalibrator, accepted_by_size, auto_tree, grown_subset, monotone,
-                                       pick_tree)
+from mmspec_ray.spec.calibrate import (TreeCalibrator, accepted_by_size, auto_tree, grown_subset, interpolate,
+                                       level_seconds, monotone, pick_tree)
 from mmspec_ray.spec.engine import AREngine, SpecEngine
 from mmspec_ray.spec.tree import DraftTree, TreeConfig, grow_dynamic_tree
 from mmspec_ray.targets import Request
@@ -128,7 +128,7 @@ def test_the_engine_stays_lossless_while_it_calibrates_and_caches_its_pick(tmp_p
     assert engine.generate(reqs[0], max_new_tokens=32).token_ids == want[0]
     assert len(first.records) == 3 and engine.calibrator is first  # a request's share recorded, not yet done
     again = calibrator()  # a new process resumes the records
-    assert len(again.records) == 3 and again.costs == first.costs
+    assert len(again.records) == 3 and again.costs == first.costs and again.steps == first.steps
     assert [(t.tokens.tolist(), p) for t, p in again.records] == [(t.tokens.tolist(), p) for t, p in first.records]
     engine = SpecEngine(target, Eagle2Drafter.random(target, seed=1), again)
     got = [engine.generate(r, max_new_tokens=32).token_ids for r in reqs[1:]]
@@ -143,6 +143,43 @@ def test_the_engine_stays_lossless_while_it_calibrates_and_caches_its_pick(tmp_p
     assert isinstance(auto_tree(target, "eagle2-random-test", recalibrate=True), TreeCalibrator)
     assert isinstance(auto_tree(target, "other-drafter"), TreeCalibrator)  # keyed by drafter
     assert auto_tree(target, "none") == TreeConfig(top_k=1, depth=1, total_tokens=1)
+
+
+def test_each_request_probes_at_another_phase_so_answer_starts_are_not_over_sampled():
+    """With a fixed phase every answer's first cycle was probed: on short toy answers those easy starts were 39 % of
+    the records and inflated the predicted tokens per forward (docs/engine.md, "Tree calibration")."""
+    cal = TreeCalibrator({"drafter": "phase-test"}, cycles=10 ** 6, per_request=10 ** 6, every=3)
+    cal.costs = {1: 1.0, 2: 1.5}  # measured already: start_request needs no target
+    probed = []
+    for _ in range(4):
+        cal.start_request(None, {})
+        probed.append([c for c in range(9) if cal.next_cycle(whole=True)[1]])
+    assert probed == [[0, 3, 6], [1, 4, 7], [2, 5, 8], [0, 3, 6]]
+
+
+def test_a_drafter_step_is_charged_by_the_top_k_it_expands():
+    steps = {8: [0.0052 * 40, 40], 2: [0.0046 * 30, 30], 1: [0.0038 * 4, 4]}  # {top_k: [seconds, steps]}
+    assert level_seconds(steps, 8) == pytest.approx(0.0052) and level_seconds(steps, 2) == pytest.approx(0.0046)
+    line = [level_seconds(steps, k) for k in range(1, 9)]  # k = 1 has too few steps of its own: the fitted line
+    assert all(a <= b for a, b in zip(line[2:7], line[3:8])) and 0.0046 < line[3] < 0.0052
+    assert 0.0038 < line[0] < 0.0046  # not its own 4-step mean: the line through all three means
+    assert level_seconds({8: [0.05, 10]}, 2) == pytest.approx(0.005)  # one top_k timed: its mean for all
+    assert level_seconds({}, 3) == 0.0
+    assert level_seconds({1: [0.09, 10], 8: [0.04, 10]}, 4) == pytest.approx(0.0065)  # a falling line is flat
+    # narrow trees cost less to draft, so the pick goes deeper where wider steps would have been charged the probe's
+    recs = [(grow_dynamic_tree(0, torch.log_softmax(torch.randn(VOCAB, generator=torch.Generator().manual_seed(s)),
+                                                    -1), path_step(0, s), calibrate.PROBE), []) for s in range(3)]
+    flat = {n: 0.010 for n in calibrate.COST_SIZES}
+    by_k = pick_tree(recs, flat, lambda k: 0.0005 * k)
+    assert by_k.draft_ms_per_level == pytest.approx(0.5 * by_k.tree.top_k)
+
+
+def test_a_size_between_measured_ones_costs_what_the_next_measured_size_does():
+    """CPU verify costs rise in steps (toy-m: 5 tokens cost what 8 do), so a size between two measured ones is
+    priced at the larger, never below it; beyond the largest, in proportion."""
+    costs = {1: 1.0, 2: 1.4, 4: 1.5, 8: 2.0}
+    assert [interpolate(costs, n) for n in range(1, 9)] == [1.0, 1.4, 1.5, 1.5, 2.0, 2.0, 2.0, 2.0]
+    assert interpolate(costs, 16) == pytest.approx(4.0)
 
 
 def test_measured_costs_never_fall_with_size():
@@ -189,6 +226,27 @@ def test_between_probe_cycles_the_drafter_keeps_up_even_when_the_pick_so_far_is_
     assert got.token_ids == answer
     assert len(cal.records) >= 3 and cal.provisional == TreeConfig(top_k=1, depth=1, total_tokens=1)
     assert all(len(path) == tree.size for tree, path in cal.records)  # every probe chain accepted whole
+
+
+def test_the_drafted_cycles_between_probes_are_timed_too():
+    """What a drafter step costs is measured on every drafted cycle while calibrating (the probe's and the pick so
+    far's), per top_k."""
+    from mmspec_ray.drafters.oracle import OracleDrafter
+
+    torch.manual_seed(0)
+    target = build_target("llava")
+    req = Request(prompt="describe the image", images=tuple(random_images(1, seed=5)))
+    answer = AREngine(target).generate(req, max_new_tokens=48).token_ids
+    probe = TreeConfig(top_k=2, depth=3, total_tokens=8)
+    cal = TreeCalibrator({"drafter": "oracle-test"}, probe=probe, cycles=10 ** 6, per_request=10 ** 6, every=3)
+    cal.costs = {1: 1.0, 2: 1.0, 8: 1.0}  # verifies cost the same whatever their size: drafting pays
+    timed: list[TreeConfig] = []
+    timed_fn = cal.timed
+    cal.timed = lambda tree, s, passes: (timed.append(tree), timed_fn(tree, s, passes))  # type: ignore[method-assign]
+    assert SpecEngine(target, OracleDrafter(answer), cal).generate(req, max_new_tokens=48).token_ids == answer
+    between = [t for t in timed if t != probe]
+    assert timed.count(probe) == len(cal.records) >= 2 and between and set(between) == {cal.provisional}
+    assert sum(n for _, n in cal.steps.values()) >= len(timed) and all(s > 0 for s, _ in cal.steps.values())
 
 
 def test_a_slow_target_measures_fewer_rounds_of_the_cost_curve():

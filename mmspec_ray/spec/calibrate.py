@@ -23,6 +23,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,10 +40,13 @@ COST_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 COST_BUDGET_S = 10.0  # the cost curve's measured rounds fit this (3 at least): a 7B model on a CPU is not held up
 PROBE_CYCLES = 64  # whole probe cycles recorded before the final pick ...
 PROBE_PER_REQUEST = 12  # ... at most this many from one request (the rest of it decodes with the pick so far) ...
-PROBE_EVERY = 3  # ... one cycle in this many, so that they span the answer (its start is the easiest part)
+PROBE_EVERY = 3  # ... one cycle in this many, so that they span the answer (its start is the easiest part), at a
+# phase that rotates from request to request: with a fixed phase every answer's first cycle would be probed, and on
+# short answers those starts were 39 % of the records (against ~10 % of the cycles) and inflated the prediction
 FALLBACK = TreeConfig(top_k=4, depth=4, total_tokens=12)  # before the first record (e.g. answers too short to probe)
 MIN_GAIN = 1.02  # a tree must beat a plain one-token step by this much (predicted) to be drafted at all
 TIE = 0.01  # predicted speedups this close count as equal: the smaller tree wins
+MIN_STEPS = 8  # drafter steps of one top_k timed before their mean stands for that top_k (else a fitted line)
 
 
 def _sync(device: torch.device) -> None:
@@ -93,13 +97,14 @@ def monotone(costs: dict[int, float]) -> dict[int, float]:
 
 
 def interpolate(costs: dict[int, float], n: int) -> float:
-    """Verify seconds for n tokens, linear between the measured sizes (flat beyond the largest)."""
+    """Verify seconds for n tokens: the cost of the smallest measured size >= n (beyond the largest, in proportion
+    to it). Not linear between sizes: on a CPU the cost rises in steps (matrix kernels work on blocks of rows), and
+    on toy-m a 5-token verify cost what an 8-token one does (83 against 85 ms; 4 tokens: 73 ms), so a 5-token tree
+    priced between 4 and 8 was picked for a speed it did not have (docs/engine.md, "Tree calibration")."""
     xs = sorted(costs)
-    if n <= xs[0]:
-        return costs[xs[0]]
-    for a, b in zip(xs, xs[1:]):
-        if n <= b:
-            return costs[a] + (costs[b] - costs[a]) * (n - a) / (b - a)
+    for x in xs:
+        if n <= x:
+            return costs[x]
     return costs[xs[-1]] * n / xs[-1]
 
 
@@ -138,6 +143,26 @@ def accepted_by_size(tree: DraftTree, path: list[int], top_k: int, depth: int, m
     return acc
 
 
+def level_seconds(steps: dict[int, list[float]], top_k: int) -> float:
+    """Seconds of one drafter step that expands `top_k` nodes, from the steps timed while calibrating
+    ({top_k: [seconds, steps]}): a step's cost grows with the nodes it expands (on toy-m's EAGLE-2, 3.8 ms at top-k 1
+    against 5.2 ms at 8), and the probe's steps alone (top-k 8) overcharged narrow trees. A top_k timed over at least
+    `MIN_STEPS` steps: its mean. Any other: a least-squares line in top_k through the timed means (weighted by their
+    steps; never falling with top_k, never below zero), or the one mean where a single top_k was timed."""
+    pts = [(k, sec / n, n) for k, (sec, n) in steps.items() if n > 0]
+    if not pts:
+        return 0.0
+    own = steps.get(top_k)
+    if own is not None and own[1] >= MIN_STEPS:
+        return own[0] / own[1]
+    w = sum(n for _, _, n in pts)
+    mk = sum(k * n for k, _, n in pts) / w
+    my = sum(y * n for _, y, n in pts) / w
+    var = sum(n * (k - mk) ** 2 for k, _, n in pts)
+    slope = max(0.0, sum(n * (k - mk) * (y - my) for k, y, n in pts) / var) if var > 0 else 0.0
+    return max(0.0, my + slope * (top_k - mk))
+
+
 class TreePick(BaseModel):
     """A calibration's result, as cached: the tree, and the evidence for it."""
 
@@ -145,7 +170,7 @@ class TreePick(BaseModel):
     predicted_speedup: float  # over a one-token step, from the measured costs and the recorded acceptance
     tokens_per_forward: float
     verify_ms: dict[int, float]
-    draft_ms_per_level: float
+    draft_ms_per_level: float  # one drafter step of the pick's top_k
     draft_ms_per_cycle: float  # the drafter's observe of the accepted tokens, whatever the tree
     book_ms_per_cycle: float = 0.0  # the engine's own work per cycle (acceptance, processors, KV commit)
     probe: TreeConfig
@@ -154,7 +179,7 @@ class TreePick(BaseModel):
     created: float
 
 
-def _table(records, kids, costs, draft_s_per_level, draft_s_per_cycle, book_s_per_cycle, k, d,
+def _table(records, kids, costs, draft_s_per_level: float, draft_s_per_cycle, book_s_per_cycle, k, d,
            max_tokens) -> dict[int, tuple[float, float]]:
     """{n: (predicted speedup, tokens per forward)} of the trees of n = 2..max_tokens with this top_k and depth."""
     acc = [0.0] * (max_tokens + 1)
@@ -172,16 +197,19 @@ def _table(records, kids, costs, draft_s_per_level, draft_s_per_cycle, book_s_pe
     return out
 
 
-def pick_tree(records: list[tuple[DraftTree, list[int]]], costs: dict[int, float], draft_s_per_level: float,
-              probe: TreeConfig = PROBE, draft_s_per_cycle: float = 0.0, book_s_per_cycle: float = 0.0,
-              min_gain: float = MIN_GAIN, tie: float = TIE) -> TreePick:
+def pick_tree(records: list[tuple[DraftTree, list[int]]], costs: dict[int, float],
+              draft_s_per_level: float | Callable[[int], float], probe: TreeConfig = PROBE,
+              draft_s_per_cycle: float = 0.0, book_s_per_cycle: float = 0.0, min_gain: float = MIN_GAIN,
+              tie: float = TIE) -> TreePick:
     """The tree with the highest predicted tokens per second, where trees within `tie` of the best go to the
     smallest (total_tokens, then depth, then top_k): the prediction is not finer than that. Where no tree beats a
-    plain one-token step by `min_gain`, the pick is the 1-token tree: no drafting."""
+    plain one-token step by `min_gain`, the pick is the 1-token tree: no drafting. `draft_s_per_level`: one
+    drafter step's seconds, or a function of the step's top_k."""
+    level = draft_s_per_level if callable(draft_s_per_level) else (lambda k: draft_s_per_level)
     kids = [tree.children() for tree, _ in records]  # once per record, not per (top_k, depth)
     table = [(speedup, tpf, TreeConfig(top_k=k, depth=d, total_tokens=n))
              for k in range(1, probe.top_k + 1) for d in range(1, probe.depth + 1)
-             for n, (speedup, tpf) in _table(records, kids, costs, draft_s_per_level, draft_s_per_cycle,
+             for n, (speedup, tpf) in _table(records, kids, costs, level(k), draft_s_per_cycle,
                                              book_s_per_cycle, k, d, probe.total_tokens).items()]
     top = max(s for s, _, _ in table)
     if top < min_gain:
@@ -190,7 +218,7 @@ def pick_tree(records: list[tuple[DraftTree, list[int]]], costs: dict[int, float
         speedup, tpf, tree = min((row for row in table if row[0] >= top / (1 + tie)),
                                  key=lambda r: (r[2].total_tokens, r[2].depth, r[2].top_k))
     return TreePick(tree=tree, predicted_speedup=speedup, tokens_per_forward=tpf,
-                    verify_ms={n: 1e3 * s for n, s in costs.items()}, draft_ms_per_level=1e3 * draft_s_per_level,
+                    verify_ms={n: 1e3 * s for n, s in costs.items()}, draft_ms_per_level=1e3 * level(tree.top_k),
                     draft_ms_per_cycle=1e3 * draft_s_per_cycle, book_ms_per_cycle=1e3 * book_s_per_cycle,
                     probe=probe, probe_cycles=len(records), key={}, created=time.time())
 
@@ -264,11 +292,12 @@ class TreeCalibrator:
     fallback: TreeConfig = FALLBACK
     costs: dict[int, float] | None = None
     records: list[tuple[DraftTree, list[int]]] = field(default_factory=list)
-    propose_s: float = 0.0
+    steps: dict[int, list[float]] = field(default_factory=dict)  # {top_k: [seconds, drafter steps]} timed so far
     observe_s: float = 0.0
     book_s: float = 0.0
-    levels: int = 0
     this_request: int = 0
+    requests: int = 0  # requests started while calibrating: sets each one's probe phase
+    phase: int = 0  # this request probes the cycles c with c % every == phase
     cycle: int = 0  # cycles of this request so far
     provisional: TreeConfig | None = None
     result: TreePick | None = None
@@ -279,12 +308,13 @@ class TreeCalibrator:
             sizes = tuple(n for n in COST_SIZES if n <= self.probe.total_tokens)
             self.costs = verify_seconds(target, inputs, sizes, budget_s=COST_BUDGET_S)
         self.this_request, self.cycle, self.provisional = 0, 0, None
+        self.phase, self.requests = self.requests % self.every, self.requests + 1
 
     def next_cycle(self, whole: bool) -> tuple[TreeConfig, bool]:
         """The tree of the coming cycle, and whether it is a probe cycle to record. `whole`: a probe tree would be
         verified whole (enough tokens and cache left). One such cycle in `every` probes; the others use the pick
         from the records so far (made once per request), or `fallback` before any record."""
-        probe = whole and self.this_request < self.per_request and self.cycle % self.every == 0
+        probe = whole and self.this_request < self.per_request and self.cycle % self.every == self.phase
         self.cycle += 1
         if probe:
             return self.probe, True
@@ -300,17 +330,23 @@ class TreeCalibrator:
         previous cycle and the engine's bookkeeping (both per cycle); returns the final tree once `cycles` are in."""
         self.records.append((tree, path))
         self.this_request += 1
-        self.propose_s += propose_s
+        self.timed(self.probe, propose_s, passes)
         self.observe_s += observe_s
         self.book_s += book_s
-        self.levels += passes if passes else self.probe.depth
         return self.pick() if len(self.records) >= self.cycles else None
+
+    def timed(self, tree: TreeConfig, propose_s: float, passes: int) -> None:
+        """A drafted cycle's proposal time (`passes` drafter steps; 0: a drafter that does not count them, taken as
+        `tree.depth`), per top_k: what a step costs depends on the nodes it expands."""
+        acc = self.steps.setdefault(tree.top_k, [0.0, 0])
+        acc[0] += propose_s
+        acc[1] += passes if passes else tree.depth
 
     def end_request(self) -> None:
         """After a request, while not done: keep the records for the next process."""
         _write(_cache_path(self.key, ".partial.json"), json.dumps({
-            "key": self.key, "probe": self.probe.model_dump(), "costs": self.costs, "propose_s": self.propose_s,
-            "observe_s": self.observe_s, "book_s": self.book_s, "levels": self.levels,
+            "key": self.key, "probe": self.probe.model_dump(), "costs": self.costs, "steps": self.steps,
+            "observe_s": self.observe_s, "book_s": self.book_s, "requests": self.requests,
             "records": [[t.tokens.tolist(), t.parents.tolist(), t.scores.tolist(), p] for t, p in self.records]}))
 
     @classmethod
@@ -323,15 +359,16 @@ class TreeCalibrator:
             records = [(DraftTree(torch.tensor(tok), torch.tensor(par), depths(torch.tensor(par)),
                                   torch.tensor(sc)), path) for tok, par, sc, path in saved["records"]]
             costs = {int(n): c for n, c in saved["costs"].items()} if saved["costs"] else None
-            return cls(key, costs=costs, records=records, propose_s=saved["propose_s"],
-                       observe_s=saved["observe_s"], book_s=saved.get("book_s", 0.0), levels=saved["levels"])
+            steps = {int(k): v for k, v in saved["steps"].items()}
+            return cls(key, costs=costs, records=records, steps=steps, observe_s=saved["observe_s"],
+                       book_s=saved.get("book_s", 0.0), requests=saved.get("requests", 0))
         except (OSError, ValueError, KeyError, TypeError):
             return cls(key)
 
     def _pick(self) -> TreePick:
         assert self.costs is not None and self.records
         n = len(self.records)
-        pick = pick_tree(self.records, self.costs, self.propose_s / max(1, self.levels), self.probe,
+        pick = pick_tree(self.records, self.costs, lambda k: level_seconds(self.steps, k), self.probe,
                          self.observe_s / n, self.book_s / n)
         return pick.model_copy(update={"key": self.key})
 

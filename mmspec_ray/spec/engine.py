@@ -91,13 +91,13 @@ class SpecEngine:
         single = False  # the next cycle verifies the root alone (a near-tie left to a one-token forward)
         observe_s = 0.0  # the drafter's time in observe after the previous cycle (a draft cost of this one)
         while True:
-            td = time.perf_counter()
             room = t.max_context - t.seq_len  # cache slots left; >= remaining + 1 >= 2 by check_length
             probing = False
             if self.calibrator is not None:  # calibrating: a probe cycle to record, or the tree picked so far
                 p = self.calibrator.probe  # recorded only when verified whole (nodes reach depth + 1)
                 whole = not single and room >= p.total_tokens and tracker.remaining - 2 >= p.depth
-                self.tree, probing = self.calibrator.next_cycle(whole)
+                self.tree, probing = self.calibrator.next_cycle(whole)  # (its provisional pick is not draft time)
+            td = time.perf_counter()
             drafting = not single and self.tree.total_tokens > 1  # a 1-token tree: a plain AR step
             tree = DraftTree.chain([root]) if not drafting else (
                 d.propose(root, self._fit(room)).truncate(tracker.remaining - 1)  # deeper: never emitted
@@ -129,6 +129,8 @@ class SpecEngine:
                 picked = self.calibrator.observe(tree, path, tv - td, observe_s, book_s, cycle_passes)
                 if picked is not None:
                     self.tree, self.calibrator = picked, None
+            elif self.calibrator is not None and drafting:  # what a step of this tree's top_k costs
+                self.calibrator.timed(self.tree, tv - td, cycle_passes)
             if new:
                 tp = time.perf_counter()
                 yield tracker.ids[n_before:]
