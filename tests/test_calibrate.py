@@ -129,6 +129,7 @@ def test_the_engine_stays_lossless_while_it_calibrates_and_caches_its_pick(tmp_p
     assert len(first.records) == 3 and engine.calibrator is first  # a request's share recorded, not yet done
     again = calibrator()  # a new process resumes the records
     assert len(again.records) == 3 and again.costs == first.costs and again.steps == first.steps
+    assert again.requests == first.requests == 1  # the next request's probe phase follows on
     assert [(t.tokens.tolist(), p) for t, p in again.records] == [(t.tokens.tolist(), p) for t, p in first.records]
     engine = SpecEngine(target, Eagle2Drafter.random(target, seed=1), again)
     got = [engine.generate(r, max_new_tokens=32).token_ids for r in reqs[1:]]
@@ -159,19 +160,23 @@ def test_each_request_probes_at_another_phase_so_answer_starts_are_not_over_samp
 
 def test_a_drafter_step_is_charged_by_the_top_k_it_expands():
     steps = {8: [0.0052 * 40, 40], 2: [0.0046 * 30, 30], 1: [0.0038 * 4, 4]}  # {top_k: [seconds, steps]}
-    assert level_seconds(steps, 8) == pytest.approx(0.0052) and level_seconds(steps, 2) == pytest.approx(0.0046)
-    line = [level_seconds(steps, k) for k in range(1, 9)]  # k = 1 has too few steps of its own: the fitted line
-    assert all(a <= b for a, b in zip(line[2:7], line[3:8])) and 0.0046 < line[3] < 0.0052
-    assert 0.0038 < line[0] < 0.0046  # not its own 4-step mean: the line through all three means
+    charged = [level_seconds(steps, k) for k in range(1, 10)]  # top-k 1 has too few steps to count
+    assert charged == pytest.approx([0.0046, 0.0046, 0.0047, 0.0048, 0.0049, 0.0050, 0.0051, 0.0052, 0.0052])
+    assert level_seconds({1: [0.0038 * 4, 4], 8: [0.0052 * 2, 2]}, 1) == pytest.approx(0.0038)  # none has enough
     assert level_seconds({8: [0.05, 10]}, 2) == pytest.approx(0.005)  # one top_k timed: its mean for all
     assert level_seconds({}, 3) == 0.0
-    assert level_seconds({1: [0.09, 10], 8: [0.04, 10]}, 4) == pytest.approx(0.0065)  # a falling line is flat
-    # narrow trees cost less to draft, so the pick goes deeper where wider steps would have been charged the probe's
-    recs = [(grow_dynamic_tree(0, torch.log_softmax(torch.randn(VOCAB, generator=torch.Generator().manual_seed(s)),
-                                                    -1), path_step(0, s), calibrate.PROBE), []) for s in range(3)]
-    flat = {n: 0.010 for n in calibrate.COST_SIZES}
-    by_k = pick_tree(recs, flat, lambda k: 0.0005 * k)
-    assert by_k.draft_ms_per_level == pytest.approx(0.5 * by_k.tree.top_k)
+    assert level_seconds({1: [0.09, 10], 8: [0.04, 10]}, 4) == pytest.approx(0.0065)  # never falls with top_k
+    concave = {1: [0.00346 * 20, 20], 2: [0.00446 * 1000, 1000], 8: [0.00513 * 300, 300]}  # toy-m's shape
+    line = [level_seconds(concave, k) for k in range(1, 9)]
+    assert all(a <= b for a, b in zip(line, line[1:]))
+    # a top-8 step that costs more than a verify: charged to every tree, it leaves only a shallow one, or none;
+    # charged by top-k, narrow steps are cheap and the pick drafts deeper, for more
+    recs, flat = records(), {n: 0.010 for n in calibrate.COST_SIZES}
+    by_k, probe_step = pick_tree(recs, flat, lambda k: 0.002 * k), pick_tree(recs, flat, 0.016)
+    assert probe_step.tree.total_tokens == 1 and by_k.tree.total_tokens > 1 and by_k.predicted_speedup > 1.5
+    assert by_k.draft_ms_per_level == pytest.approx(2.0 * by_k.tree.top_k)
+    wide = pick_tree(recs, flat, lambda k: 0.0005 * k)
+    assert wide.predicted_speedup > pick_tree(recs, flat, 0.004).predicted_speedup
 
 
 def test_a_size_between_measured_ones_costs_what_the_next_measured_size_does():
@@ -228,6 +233,18 @@ def test_between_probe_cycles_the_drafter_keeps_up_even_when_the_pick_so_far_is_
     assert all(len(path) == tree.size for tree, path in cal.records)  # every probe chain accepted whole
 
 
+def test_records_saved_by_the_previous_version_resume_with_their_probe_steps(tmp_path, monkeypatch):
+    monkeypatch.setenv("MMSPEC_CALIBRATION_DIR", str(tmp_path))
+    key = {"drafter": "old-partial"}
+    tree = grow(3, TreeConfig(top_k=2, depth=2, total_tokens=5))
+    calibrate._write(calibrate._cache_path(key, ".partial.json"), json.dumps({
+        "key": key, "probe": calibrate.PROBE.model_dump(), "costs": {"1": 0.01, "2": 0.02}, "propose_s": 0.4,
+        "observe_s": 0.1, "book_s": 0.0, "levels": 80,
+        "records": [[tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist(), [0, 1]]]}))
+    cal = TreeCalibrator.resume(key)
+    assert len(cal.records) == 1 and cal.steps == {calibrate.PROBE.top_k: [0.4, 80]} and cal.costs == {1: 0.01, 2: 0.02}
+
+
 def test_the_drafted_cycles_between_probes_are_timed_too():
     """What a drafter step costs is measured on every drafted cycle while calibrating (the probe's and the pick so
     far's), per top_k."""
@@ -245,8 +262,8 @@ def test_the_drafted_cycles_between_probes_are_timed_too():
     cal.timed = lambda tree, s, passes: (timed.append(tree), timed_fn(tree, s, passes))  # type: ignore[method-assign]
     assert SpecEngine(target, OracleDrafter(answer), cal).generate(req, max_new_tokens=48).token_ids == answer
     between = [t for t in timed if t != probe]
-    assert timed.count(probe) == len(cal.records) >= 2 and between and set(between) == {cal.provisional}
-    assert sum(n for _, n in cal.steps.values()) >= len(timed) and all(s > 0 for s, _ in cal.steps.values())
+    assert timed.count(probe) >= len(cal.records) >= 2 and between and set(between) == {cal.provisional}
+    assert set(cal.steps) == {t.top_k for t in timed} and all(s > 0 and n > 0 for s, n in cal.steps.values())
 
 
 def test_a_slow_target_measures_fewer_rounds_of_the_cost_curve():

@@ -42,11 +42,12 @@ PROBE_CYCLES = 64  # whole probe cycles recorded before the final pick ...
 PROBE_PER_REQUEST = 12  # ... at most this many from one request (the rest of it decodes with the pick so far) ...
 PROBE_EVERY = 3  # ... one cycle in this many, so that they span the answer (its start is the easiest part), at a
 # phase that rotates from request to request: with a fixed phase every answer's first cycle would be probed, and on
-# short answers those starts were 39 % of the records (against ~10 % of the cycles) and inflated the prediction
+# toy-m's short answers those starts were 39 % of the records (against 12-14 % of the cycles) and inflated the
+# prediction
 FALLBACK = TreeConfig(top_k=4, depth=4, total_tokens=12)  # before the first record (e.g. answers too short to probe)
 MIN_GAIN = 1.02  # a tree must beat a plain one-token step by this much (predicted) to be drafted at all
 TIE = 0.01  # predicted speedups this close count as equal: the smaller tree wins
-MIN_STEPS = 8  # drafter steps of one top_k timed before their mean stands for that top_k (else a fitted line)
+MIN_STEPS = 8  # drafter steps of one top_k timed before its mean counts (while none has: every timed mean counts)
 
 
 def _sync(device: torch.device) -> None:
@@ -99,8 +100,9 @@ def monotone(costs: dict[int, float]) -> dict[int, float]:
 def interpolate(costs: dict[int, float], n: int) -> float:
     """Verify seconds for n tokens: the cost of the smallest measured size >= n (beyond the largest, in proportion
     to it). Not linear between sizes: on a CPU the cost rises in steps (matrix kernels work on blocks of rows), and
-    on toy-m a 5-token verify cost what an 8-token one does (83 against 85 ms; 4 tokens: 73 ms), so a 5-token tree
-    priced between 4 and 8 was picked for a speed it did not have (docs/engine.md, "Tree calibration")."""
+    on toy-m a 5-token verify cost what an 8-token one does (82.8 against 83.9 ms; 4 tokens: 72.5 ms), so a 5-token
+    tree priced between 4 and 8 was picked for a speed it did not have (docs/engine.md, "Tree calibration"). Where
+    the cost grows smoothly, sizes between the measured ones are overcharged and picks land on measured sizes."""
     xs = sorted(costs)
     for x in xs:
         if n <= x:
@@ -145,22 +147,22 @@ def accepted_by_size(tree: DraftTree, path: list[int], top_k: int, depth: int, m
 
 def level_seconds(steps: dict[int, list[float]], top_k: int) -> float:
     """Seconds of one drafter step that expands `top_k` nodes, from the steps timed while calibrating
-    ({top_k: [seconds, steps]}): a step's cost grows with the nodes it expands (on toy-m's EAGLE-2, 3.8 ms at top-k 1
-    against 5.2 ms at 8), and the probe's steps alone (top-k 8) overcharged narrow trees. A top_k timed over at least
-    `MIN_STEPS` steps: its mean. Any other: a least-squares line in top_k through the timed means (weighted by their
-    steps; never falling with top_k, never below zero), or the one mean where a single top_k was timed."""
-    pts = [(k, sec / n, n) for k, (sec, n) in steps.items() if n > 0]
+    ({top_k: [seconds, steps]}): a step's cost grows with the nodes it expands (toy-m's EAGLE-2: 3.5 ms at top-k 1,
+    4.5 ms at 2, 5.1 ms at 8), and the probe's steps alone (top-k 8) overcharged narrow trees. The means of the top_k
+    values timed over at least `MIN_STEPS` steps (all of them where none was), made non-decreasing in top_k, linear
+    between them and flat beyond them."""
+    pts = {k: sec / n for k, (sec, n) in steps.items() if n >= MIN_STEPS} or {
+        k: sec / n for k, (sec, n) in steps.items() if n > 0}
     if not pts:
         return 0.0
-    own = steps.get(top_k)
-    if own is not None and own[1] >= MIN_STEPS:
-        return own[0] / own[1]
-    w = sum(n for _, _, n in pts)
-    mk = sum(k * n for k, _, n in pts) / w
-    my = sum(y * n for _, y, n in pts) / w
-    var = sum(n * (k - mk) ** 2 for k, _, n in pts)
-    slope = max(0.0, sum(n * (k - mk) * (y - my) for k, y, n in pts) / var) if var > 0 else 0.0
-    return max(0.0, my + slope * (top_k - mk))
+    pts = monotone(pts)
+    xs = sorted(pts)
+    if top_k <= xs[0]:
+        return pts[xs[0]]
+    for a, b in zip(xs, xs[1:]):
+        if top_k <= b:
+            return pts[a] + (pts[b] - pts[a]) * (top_k - a) / (b - a)
+    return pts[xs[-1]]
 
 
 class TreePick(BaseModel):
@@ -359,7 +361,8 @@ class TreeCalibrator:
             records = [(DraftTree(torch.tensor(tok), torch.tensor(par), depths(torch.tensor(par)),
                                   torch.tensor(sc)), path) for tok, par, sc, path in saved["records"]]
             costs = {int(n): c for n, c in saved["costs"].items()} if saved["costs"] else None
-            steps = {int(k): v for k, v in saved["steps"].items()}
+            steps = ({int(k): v for k, v in saved["steps"].items()} if "steps" in saved else  # an older file:
+                     {PROBE.top_k: [saved["propose_s"], saved["levels"]]})  # its probe cycles' steps
             return cls(key, costs=costs, records=records, steps=steps, observe_s=saved["observe_s"],
                        book_s=saved.get("book_s", 0.0), requests=saved.get("requests", 0))
         except (OSError, ValueError, KeyError, TypeError):
