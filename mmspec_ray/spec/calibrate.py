@@ -42,7 +42,7 @@ PROBE_CYCLES = 64  # whole probe cycles recorded before the final pick ...
 PROBE_PER_REQUEST = 12  # ... at most this many from one request (the rest of it decodes with the pick so far) ...
 PROBE_EVERY = 3  # ... one cycle in this many, so that they span the answer (its start is the easiest part), at a
 # phase that rotates from request to request: with a fixed phase every answer's first cycle would be probed, and on
-# toy-m's short answers those starts were 39 % of the records (against 12-14 % of the cycles) and inflated the
+# toy-m's short answers those starts were 39 % of the records (against 11-16 % of the cycles) and inflated the
 # prediction
 FALLBACK = TreeConfig(top_k=4, depth=4, total_tokens=12)  # before the first record (e.g. answers too short to probe)
 MIN_GAIN = 1.02  # a tree must beat a plain one-token step by this much (predicted) to be drafted at all
