@@ -95,7 +95,7 @@ def resolve_drafter(drafter: str | None, target: str) -> str | None:
 
 def fixed_tree(a: argparse.Namespace):
     """The TreeConfig of the --tree-* flags (unset ones at TreeConfig's defaults), or None when none is set."""
-    from mmspec_ray.spec.tree import TreeConfig
+    from mmspec_ray.decoding.tree import TreeConfig
 
     given = {k: getattr(a, flag[2:].replace("-", "_")) for k, flag in TREE_FLAGS.items()}
     given = {k: v for k, v in given.items() if v is not None}
@@ -106,8 +106,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from mmspec_ray.config import SamplingParams
     from mmspec_ray.drafters.base import load_drafter
     from mmspec_ray.media import load_image, load_video
-    from mmspec_ray.spec.calibrate import auto_tree
-    from mmspec_ray.spec.engine import SpecEngine
+    from mmspec_ray.decoding.calibrate import auto_tree
+    from mmspec_ray.decoding.engine import SpecEngine
     from mmspec_ray.targets import Request, load_target
     from mmspec_ray.targets.hf import video_frames_for
     from mmspec_ray.targets.registry import fetch_checkpoint
@@ -197,7 +197,7 @@ def _assistant(spec: str, target: str):
 def bench_config(a: argparse.Namespace):
     """The BenchConfig of `mmspec bench` flags (the seed included: it seeds every sampled run)."""
     from mmspec_ray.bench.run import BenchConfig
-    from mmspec_ray.spec.tree import TreeConfig
+    from mmspec_ray.decoding.tree import TreeConfig
 
     tree = checked(TreeConfig, TREE_FLAGS, top_k=a.tree_top_k, depth=a.tree_depth, total_tokens=a.tree_tokens)
     return checked(BenchConfig, {}, prompts=a.prompts, max_new_tokens=a.max_new_tokens, repeats=a.repeats,

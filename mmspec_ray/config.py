@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 class SamplingParams(BaseModel):
     """How the next token is chosen. temperature == 0 means greedy (argmax). A field left None takes the
     checkpoint's generation config (HF's defaults where it says nothing: top_k 50, top_p 1, no penalty), resolved by
-    the engine (`spec/processors.py: resolve_sampling`); an unresolved None reads as off / greedy."""
+    the engine (`decoding/processors.py: resolve_sampling`); an unresolved None reads as off / greedy."""
 
     model_config = ConfigDict(frozen=True)
 

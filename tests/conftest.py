@@ -36,6 +36,21 @@ def pytest_configure(config) -> None:
     os.environ["MMSPEC_CALIBRATION_DIR"] = tempfile.mkdtemp(prefix="mmspec-calibration-")
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark every test that trains a drafter (`train_drafter(` in its body) `trained`: the test command runs those
+    again under a non-native ATEN_CPU_CAPABILITY, so a test whose outcome rests on kernel rounding cannot land."""
+    import inspect
+
+    for item in items:
+        fn = getattr(item, "function", None)
+        try:
+            src = inspect.getsource(fn) if fn is not None else ""
+        except (OSError, TypeError):
+            src = ""
+        if "train_drafter(" in src:
+            item.add_marker(pytest.mark.trained)
+
+
 @dataclass
 class S3Server:
     """A running moto S3 server on 127.0.0.1 plus what a test needs to talk to it."""

@@ -1,7 +1,7 @@
 """The one registry of target families the tests run: per family, its tiny builder, its standard requests, and the
 parameters of the family-independent contract checks (tests/target_checks.py, run by tests/test_target_contract.py).
 
-Family test modules take their `target` and `REQUESTS` from here; test_spec_engine builds its targets from here.
+Family test modules take their `target` and `REQUESTS` from here; test_engine builds its targets from here.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from mmspec_ray.spec.tree import TreeConfig
+from mmspec_ray.decoding.tree import TreeConfig
 
 MODEL = "tiny-llava"
 KEY = "sk-test-not-a-secret"
@@ -138,7 +138,7 @@ def reference(ckpt):
     from mmspec_ray.config import SamplingParams
     from mmspec_ray.drafters.base import load_drafter
     from mmspec_ray.media import load_image, load_video
-    from mmspec_ray.spec.engine import SpecEngine
+    from mmspec_ray.decoding.engine import SpecEngine
     from mmspec_ray.targets import Request, load_target
 
     target = load_target(ckpt)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mmspec_ray.spec.engine import AREngine
+from mmspec_ray.decoding.engine import AREngine
 from mmspec_ray.targets.base import Request, VLMTarget
 
 LOGIT_TOL = 1e-4  # float32: tree-masked vs per-path runs differ only by summation order (~1e-6 seen)

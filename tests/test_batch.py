@@ -25,7 +25,7 @@ from mmspec_ray.batch.storage import JobInputError, locate, parquet_files, read_
 from mmspec_ray.config import SamplingParams  # noqa: E402
 from mmspec_ray.drafters.base import load_drafter  # noqa: E402
 from mmspec_ray.media import load_image, load_video  # noqa: E402
-from mmspec_ray.spec.engine import SpecEngine  # noqa: E402
+from mmspec_ray.decoding.engine import SpecEngine  # noqa: E402
 from mmspec_ray.targets import Request, load_target  # noqa: E402
 from mmspec_ray.toy.clips import encode_mp4  # noqa: E402
 from tiny import random_images  # noqa: E402

@@ -19,11 +19,11 @@ from mmspec_ray.batch.stages import keep_ids, prepare_block
 from mmspec_ray.batch.output import scan as scan_output
 from mmspec_ray.batch.storage import check_ids, locate
 from mmspec_ray.batch.summary import format_summary, row_stats, summarize
-from mmspec_ray.spec.tree import TreeConfig
+from mmspec_ray.decoding.tree import TreeConfig
 from mmspec_ray.config import S3Config, SamplingParams
 from mmspec_ray.drafters.base import load_drafter
 from mmspec_ray.media import load_image, load_video
-from mmspec_ray.spec.engine import SpecEngine
+from mmspec_ray.decoding.engine import SpecEngine
 from mmspec_ray.targets import Request, load_target
 from mmspec_ray.toy.clips import encode_mp4
 from tiny import random_images

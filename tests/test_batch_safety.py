@@ -20,7 +20,7 @@ from mmspec_ray.batch.cli import main as job_main
 from mmspec_ray.batch.output import MARKER_NAME, claim, drop_rows, scan
 from mmspec_ray.batch.rows import RowError, prepare_row
 from mmspec_ray.batch.sources import kinetics_rows
-from mmspec_ray.batch.spec import DecodeConfig
+from mmspec_ray.batch.jobspec import DecodeConfig
 from mmspec_ray.batch.storage import JobInputError, check_disjoint, locate, scan_input
 from mmspec_ray.config import S3Config
 from mmspec_ray.media import MediaError
@@ -173,7 +173,7 @@ def test_transient_s3_errors_are_told_from_final_ones():
 def test_retry_errors_takes_known_kinds_only():
     from pydantic import ValidationError
 
-    from mmspec_ray.batch.spec import JobSpec
+    from mmspec_ray.batch.jobspec import JobSpec
 
     spec = JobSpec(input="i", output="o", decode={"target": "/m"}, retry_errors=("crash", "media.not_found"))
     assert spec.retry_errors == ("crash", "media.not_found")
@@ -445,7 +445,7 @@ def test_huge_video_frames_are_refused_before_decoding():
 PROBE = r"""
 import io, json, pickle, resource, sys
 from mmspec_ray.batch.rows import prepare_row
-from mmspec_ray.batch.spec import DecodeConfig
+from mmspec_ray.batch.jobspec import DecodeConfig
 kind, path, side = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 cfg = DecodeConfig(target="/m", media={"image_side": side, "num_frames": 8})

@@ -8,7 +8,7 @@ import pytest
 
 from mmspec_ray.bench.run import BenchConfig, _hf_runner, run_bench, summarize, to_markdown
 from mmspec_ray.config import SamplingParams
-from mmspec_ray.spec.tree import DraftTree, TreeConfig, depths
+from mmspec_ray.decoding.tree import DraftTree, TreeConfig, depths
 from mmspec_ray.targets import Request, wrap
 from tiny import random_images, tiny_llava
 
@@ -62,7 +62,7 @@ def test_bench_methods_take_their_own_tree_or_a_calibrated_one(tmp_path, monkeyp
     assert list((tmp_path / "calibration").glob("*.json"))  # the pick is cached for later engines
     from mmspec_ray.bench.run import calibrate_tree
     from mmspec_ray.drafters.ngram import NgramDrafter
-    from mmspec_ray.spec.calibrate import FALLBACK
+    from mmspec_ray.decoding.calibrate import FALLBACK
 
     short, info = calibrate_tree(target, NgramDrafter(), "ngram-short", reqs, max_new_tokens=6)
     assert short == FALLBACK and not info["cached"]  # answers too short for a whole probe tree: the fallback
@@ -71,7 +71,7 @@ def test_bench_methods_take_their_own_tree_or_a_calibrated_one(tmp_path, monkeyp
 def test_cost_profile_measures_ar_steps_and_each_tree_size_and_leaves_the_target_clean():
     from mmspec_ray.bench.costs import ar_step_seconds, verify_seconds
     from mmspec_ray.config import SamplingParams
-    from mmspec_ray.spec.engine import AREngine
+    from mmspec_ray.decoding.engine import AREngine
 
     target = wrap(*tiny_llava())
     req = Request(prompt="describe the image", images=tuple(random_images(1, seed=0)))
@@ -170,7 +170,7 @@ def test_bench_plots_show_the_summary_the_histogram_and_the_cycle_split(tmp_path
 def test_cycle_profile_splits_generate_into_forwards_and_the_engines_own_work():
     from mmspec_ray.bench.profile import profile
     from mmspec_ray.drafters.eagle import Eagle2Drafter
-    from mmspec_ray.spec.engine import SpecEngine
+    from mmspec_ray.decoding.engine import SpecEngine
 
     target = wrap(*tiny_llava())
     reqs = [Request(prompt="describe the image", images=tuple(random_images(1, seed=s))) for s in range(2)]

@@ -90,7 +90,7 @@ def test_bench_runs_toy_workloads_each_with_its_own_answer_cap(tmp_path, monkeyp
     """Workloads with their own max_new_tokens: every run of a workload stays within its cap, both are summarised."""
     from mmspec_ray.bench.run import BenchConfig, run_bench, to_markdown
     from mmspec_ray.bench.workloads import Workload
-    from mmspec_ray.spec.tree import TreeConfig
+    from mmspec_ray.decoding.tree import TreeConfig
     from mmspec_ray.targets import Request, wrap
     from tiny import tiny_llava
 

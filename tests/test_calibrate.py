@@ -1,4 +1,4 @@
-"""Tree calibration (spec/calibrate.py): what a probe record says about a smaller tree is what that smaller tree
+"""Tree calibration (decoding/calibrate.py): what a probe record says about a smaller tree is what that smaller tree
 does; the pick follows the cost curve; the engine stays lossless while probing and caches its pick."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from mmspec_ray.drafters.eagle import Eagle2Drafter
-from mmspec_ray.spec import calibrate
-from mmspec_ray.spec.calibrate import (TreeCalibrator, accepted_by_size, auto_tree, grown_subset, interpolate,
+from mmspec_ray.decoding import calibrate
+from mmspec_ray.decoding.calibrate import (TreeCalibrator, accepted_by_size, auto_tree, grown_subset, interpolate,
                                        level_seconds, monotone, pick_tree)
-from mmspec_ray.spec.engine import AREngine, SpecEngine
-from mmspec_ray.spec.tree import DraftTree, TreeConfig, grow_dynamic_tree
+from mmspec_ray.decoding.engine import AREngine, SpecEngine
+from mmspec_ray.decoding.tree import DraftTree, TreeConfig, grow_dynamic_tree
 from mmspec_ray.targets import Request
 from families import build_target
 from tiny import random_images
@@ -267,7 +267,7 @@ def test_the_drafted_cycles_between_probes_are_timed_too():
 
 
 def test_a_slow_target_measures_fewer_rounds_of_the_cost_curve():
-    from mmspec_ray.spec.calibrate import verify_seconds
+    from mmspec_ray.decoding.calibrate import verify_seconds
 
     torch.manual_seed(0)
     target = build_target("llava")

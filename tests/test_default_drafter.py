@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from mmspec_ray.batch.cli import build_parser, plan
-from mmspec_ray.batch.spec import DEFAULT_DRAFTER, DecodeConfig
-from mmspec_ray.spec.calibrate import calibration_key
+from mmspec_ray.batch.jobspec import DEFAULT_DRAFTER, DecodeConfig
+from mmspec_ray.decoding.calibrate import calibration_key
 from mmspec_ray.toy import drafter as toy_drafter
 from mmspec_ray.toy.build import build_world
 from mmspec_ray.toy.drafter import SHIPPED, ShippedDrafter, ToyDrafterRecipe, recipe_for, resolve_auto_drafter

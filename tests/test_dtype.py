@@ -14,7 +14,7 @@ import mmspec_ray.targets
 import mmspec_ray.toy.build
 import mmspec_ray.toy.prompts
 from mmspec_ray.batch.decoder import SpecDecoder, resolve_device
-from mmspec_ray.batch.spec import DecodeConfig
+from mmspec_ray.batch.jobspec import DecodeConfig
 from mmspec_ray.cli import main
 from mmspec_ray.targets import Request
 from mmspec_ray.targets.registry import resolve_dtype

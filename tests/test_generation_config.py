@@ -15,12 +15,12 @@ from mmspec_ray.config import SamplingParams
 from mmspec_ray.drafters.eagle import Eagle2Drafter
 from mmspec_ray.drafters.ngram import NgramDrafter
 from mmspec_ray.drafters.oracle import OracleDrafter
-from mmspec_ray.spec.engine import AREngine, SpecEngine
-from mmspec_ray.spec.processors import UnsupportedGenerationConfig, effective_generation_config, resolve_sampling
-from mmspec_ray.spec.tree import TreeConfig
+from mmspec_ray.decoding.engine import AREngine, SpecEngine
+from mmspec_ray.decoding.processors import UnsupportedGenerationConfig, effective_generation_config, resolve_sampling
+from mmspec_ray.decoding.tree import TreeConfig
 from mmspec_ray.targets import Request, wrap
-from test_spec_engine import PerturbedOracle
-from test_spec_engine_paths import check_deep_sampling
+from test_engine import PerturbedOracle
+from test_engine_paths import check_deep_sampling
 from tiny import tiny_llava
 
 TREE = TreeConfig(top_k=4, depth=4, total_tokens=20)

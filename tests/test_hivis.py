@@ -15,8 +15,8 @@ import torch
 from mmspec_ray.drafters.base import load_drafter
 from mmspec_ray.drafters.eagle import Eagle2Drafter
 from mmspec_ray.drafters.hivis import HiViSDrafter, HiViSHead
-from mmspec_ray.spec.engine import AREngine, SpecEngine
-from mmspec_ray.spec.tree import TreeConfig
+from mmspec_ray.decoding.engine import AREngine, SpecEngine
+from mmspec_ray.decoding.tree import TreeConfig
 from mmspec_ray.targets import Request, wrap
 from mmspec_ray.training.datagen import DatagenRecipe, generate_features, load_features
 from mmspec_ray.training.methods import (HiViSMethod, chain_alive, code_heavy, multi_step_forward,
@@ -24,7 +24,7 @@ from mmspec_ray.training.methods import (HiViSMethod, chain_alive, code_heavy, m
 from mmspec_ray.training.schedule import StageSchedule
 from mmspec_ray.training.trainer import TrainConfig, train_drafter
 from families import FAMILIES, build_target
-from test_spec_engine import check_greedy_lossless
+from test_engine import check_greedy_lossless, check_learned
 from tiny import random_images, tiny_llava
 
 TREE = TreeConfig(top_k=4, depth=4, total_tokens=20)
@@ -226,24 +226,28 @@ def test_trained_hivis_is_lossless_on_every_family_and_request(family, tmp_path)
     media = [r for n, r in reqs.items() if n != "text"]
     mm = _features(target, media * 2, tmp_path / "mm", n_tokens=12)
     text = _features(target, [reqs["text"], Request(prompt="what is there")], tmp_path / "text", n_tokens=12)
-    cfg = TrainConfig(epochs=2, batch_size=2, lr=3e-3, warmup_steps=1, multistep_epochs=1)
-    d = load_drafter(str(train_drafter(HiViSMethod(min_answer_words=0), target, mm, tmp_path / "d", cfg, text_examples=text)), target)
+    cfg = TrainConfig(epochs=6, batch_size=2, lr=3e-3, warmup_steps=1, multistep_epochs=3)
+    out = train_drafter(HiViSMethod(min_answer_words=0), target, mm, tmp_path / "d", cfg, text_examples=text)
+    top1 = check_learned(out, key="top1_pass0")
+    d = load_drafter(str(out), target)
     accepted = check_greedy_lossless(target, reqs, lambda: [("trained", d)], family)
-    assert accepted > 0, family  # drafts were accepted: the drafter's observe / KV path after acceptance ran
+    print(f"{family}: {accepted} drafts accepted")
+    assert accepted > 0, (family, top1)  # drafts were accepted: the drafter's observe / KV path after acceptance ran
 
 
 def test_hivis_sampling_output_distribution_equals_the_target(tmp_path):
     """An image request at T 0.8, top-k 4, top-p 0.9 through a briefly trained HiViS drafter: 3-token answers
     match the exact warped target distribution (chi-square at p = 1e-4, 1,500 samples)."""
-    from test_spec_engine import check_trained_drafter_samples
+    from test_engine import SAMPLED_FLOOR, check_trained_drafter_samples
 
     target = wrap(*tiny_llava(init=0.08))  # flatter logits: several tokens per step carry real mass
     req = Request(prompt="describe the image", images=tuple(random_images(1, seed=7)))
     mm = _features(target, [Request(prompt="describe the image", images=tuple(random_images(1, seed=i)))
                             for i in range(8)], tmp_path / "mm", n_tokens=8)
-    cfg = TrainConfig(epochs=3, batch_size=4, lr=3e-3, warmup_steps=1, multistep_epochs=1)
-    d = load_drafter(str(train_drafter(HiViSMethod(min_answer_words=0), target, mm, tmp_path / "d", cfg)), target)
-    check_trained_drafter_samples(target, d, req, min_accepted=1500 // 4)
+    cfg = TrainConfig(epochs=6, batch_size=4, lr=3e-3, warmup_steps=1, multistep_epochs=3)
+    out = train_drafter(HiViSMethod(min_answer_words=0), target, mm, tmp_path / "d", cfg)
+    d = load_drafter(str(out), target)
+    check_trained_drafter_samples(target, d, req, min_accepted=SAMPLED_FLOOR)
 
 
 def test_bench_reports_the_drafter_prefill_length(tmp_path):

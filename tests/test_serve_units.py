@@ -22,7 +22,7 @@ S3 = S3Config(endpoint_override="127.0.0.1:1", scheme="http")
 @pytest.fixture(scope="module")
 def engine(ckpt):
     from mmspec_ray.drafters.base import load_drafter
-    from mmspec_ray.spec.engine import SpecEngine
+    from mmspec_ray.decoding.engine import SpecEngine
     from mmspec_ray.targets import load_target
 
     target = load_target(ckpt)

@@ -13,8 +13,8 @@ import torch
 from mmspec_ray.drafters.base import load_drafter
 from mmspec_ray.drafters.specflash import (SpecFlashConfig, SpecFlashDrafter, SpecFlashHead, cartesian_tree,
                                            compressed_count)
-from mmspec_ray.spec.engine import AREngine, SpecEngine
-from mmspec_ray.spec.tree import TreeConfig
+from mmspec_ray.decoding.engine import AREngine, SpecEngine
+from mmspec_ray.decoding.tree import TreeConfig
 from mmspec_ray.targets import Request, wrap
 from mmspec_ray.targets.base import TargetOutput
 from mmspec_ray.training.datagen import DatagenRecipe, generate_features, load_features
@@ -22,7 +22,7 @@ from mmspec_ray.training.methods import SpecFlashMethod, training_method
 from mmspec_ray.training.specflash import expand_example, layer_inputs
 from mmspec_ray.training.trainer import TrainConfig, train_drafter
 from families import FAMILIES, build_target
-from test_spec_engine import check_greedy_lossless, with_cfg
+from test_engine import check_greedy_lossless, check_learned, with_cfg
 from tiny import random_images, tiny_llava
 
 TREE = TreeConfig(top_k=4, depth=4, total_tokens=20)
@@ -220,23 +220,27 @@ def test_trained_specflash_is_lossless_on_every_family_and_request(family, tmp_p
     reqs = FAMILIES[family].requests
     mm = _features(target, [r for n, r in reqs.items() if n != "text"] * 2, tmp_path / "mm", n_tokens=12)
     cfg = TrainConfig(epochs=8, batch_size=2, lr=1e-2, warmup_steps=1)
-    d = load_drafter(str(train_drafter("specflash", target, mm, tmp_path / "d", cfg)), target)
+    out = train_drafter("specflash", target, mm, tmp_path / "d", cfg)
+    top1 = check_learned(out, floor=0.05, key="top1_slot0")  # llava: 0.14-0.18 by kernel (raw media, see msd)
+    d = load_drafter(str(out), target)
     shapes = lambda: ((draft, with_cfg(d, draft=draft)) for draft in ("chain", "tree"))  # noqa: E731
     accepted = check_greedy_lossless(target, reqs, shapes, family)
-    assert accepted > 0, family  # drafts were accepted: the drafter's queue / KV path after acceptance ran
+    print(f"{family}: {accepted} drafts accepted")
+    assert accepted > 0, (family, top1)  # drafts were accepted: the drafter's queue / KV path after acceptance ran
 
 
 @pytest.mark.parametrize("draft", ["chain", "tree"])
 def test_specflash_sampling_output_distribution_equals_the_target(draft, tmp_path):
     """An image request at T 0.8, top-k 4, top-p 0.9 through a briefly trained SpecFLASH drafter: 3-token answers
     match the exact warped target distribution (chi-square at p = 1e-4, 1,500 samples)."""
-    from test_spec_engine import check_trained_drafter_samples
+    from test_engine import SAMPLED_FLOOR, check_trained_drafter_samples
 
     target = wrap(*tiny_llava(init=0.08))  # flatter logits: several tokens per step carry real mass
     req = Request(prompt="describe the image", images=tuple(random_images(1, seed=7)))
     mm = _features(target, [Request(prompt="describe the image", images=tuple(random_images(1, seed=i)))
                             for i in range(8)], tmp_path / "mm", n_tokens=8)
     cfg = TrainConfig(epochs=8, batch_size=4, lr=1e-2, warmup_steps=1)
-    d = load_drafter(str(train_drafter("specflash", target, mm, tmp_path / "d", cfg)), target)
+    out = train_drafter("specflash", target, mm, tmp_path / "d", cfg)
+    d = load_drafter(str(out), target)
     d.head.cfg = d.head.cfg.model_copy(update={"draft": draft})
-    check_trained_drafter_samples(target, d, req, min_accepted=1500 // 10)  # measured: 220 chain, 565 tree
+    check_trained_drafter_samples(target, d, req, min_accepted=SAMPLED_FLOOR)

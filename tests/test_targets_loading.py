@@ -14,7 +14,7 @@ from transformers import AutoModelForImageTextToText, LlamaConfig, LlamaForCausa
 from transformers.utils import is_torchvision_available
 
 import mmspec_ray.media.io
-from mmspec_ray.spec.engine import AREngine
+from mmspec_ray.decoding.engine import AREngine
 from mmspec_ray.targets import Request, TargetError, families, load_target, wrap
 from mmspec_ray.targets.registry import checkpoint_cache
 from families import FAMILIES

@@ -22,8 +22,8 @@ ray = pytest.importorskip("ray")
 
 from mmspec_ray.drafters.base import load_drafter  # noqa: E402
 from mmspec_ray.drafters.eagle import Eagle2Drafter  # noqa: E402
-from mmspec_ray.spec.engine import SpecEngine  # noqa: E402
-from mmspec_ray.spec.tree import TreeConfig  # noqa: E402
+from mmspec_ray.decoding.engine import SpecEngine  # noqa: E402
+from mmspec_ray.decoding.tree import TreeConfig  # noqa: E402
 from mmspec_ray.targets import Request, load_target  # noqa: E402
 from mmspec_ray.training.datagen_job import DatagenJob, run_datagen  # noqa: E402
 from mmspec_ray.training.pipeline import TrainJob, run_train_job  # noqa: E402

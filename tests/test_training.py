@@ -10,8 +10,8 @@ import torch
 
 from mmspec_ray.drafters.base import load_drafter
 from mmspec_ray.drafters.eagle import Eagle2Drafter
-from mmspec_ray.spec.engine import AREngine, SpecEngine
-from mmspec_ray.spec.tree import TreeConfig
+from mmspec_ray.decoding.engine import AREngine, SpecEngine
+from mmspec_ray.decoding.tree import TreeConfig
 from mmspec_ray.targets import Request, wrap
 from mmspec_ray.training.datagen import DatagenRecipe, generate_features, load_features
 from mmspec_ray.training.trainer import TrainConfig, train_drafter

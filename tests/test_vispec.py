@@ -14,7 +14,7 @@ import torch
 from mmspec_ray.drafters.base import load_drafter
 from mmspec_ray.drafters.vispec import (ViSpecConfig, ViSpecDrafter, ViSpecHead, entry_spans, media_runs_of,
                                         pieces_of)
-from mmspec_ray.spec.tree import TreeConfig
+from mmspec_ray.decoding.tree import TreeConfig
 from mmspec_ray.targets import Request, wrap
 from mmspec_ray.targets.base import TargetOutput
 from mmspec_ray.toy.prompts import at_length
@@ -23,7 +23,7 @@ from mmspec_ray.training.methods import ViSpecMethod, training_method
 from mmspec_ray.training.trainer import TrainConfig, stage_schedule, train_drafter
 from mmspec_ray.training.vispec import vispec_forward
 from families import FAMILIES, build_target
-from test_spec_engine import check_greedy_lossless
+from test_engine import check_greedy_lossless, check_learned
 from tiny import random_images, tiny_llava
 
 TREE = TreeConfig(top_k=4, depth=4, total_tokens=20)
@@ -211,21 +211,25 @@ def test_trained_vispec_is_lossless_on_every_family_and_request(family, tmp_path
     reqs = FAMILIES[family].requests
     mm = _features(target, [r for n, r in reqs.items() if n != "text"] * 2, tmp_path / "mm", n_tokens=12)
     cfg = TrainConfig(epochs=8, batch_size=2, lr=1e-2, warmup_steps=1, text_epochs=0)  # stage 2 only (with MTP)
-    d = load_drafter(str(train_drafter("vispec", target, mm, tmp_path / "d", cfg)), target)
+    out = train_drafter("vispec", target, mm, tmp_path / "d", cfg)
+    top1 = check_learned(out)
+    d = load_drafter(str(out), target)
     accepted = check_greedy_lossless(target, reqs, lambda: [("trained", d)], family)
-    assert accepted > 0, family  # drafts were accepted: the KV / position path after acceptance ran
+    print(f"{family}: {accepted} drafts accepted")
+    assert accepted > 0, (family, top1)  # drafts were accepted: the KV / position path after acceptance ran
     check_greedy_lossless(target, reqs, lambda: [("random", ViSpecDrafter.random(target, seed=3))], family)
 
 
 def test_vispec_sampling_output_distribution_equals_the_target(tmp_path):
     """An image request at T 0.8, top-k 4, top-p 0.9 through a briefly trained ViSpec drafter: 3-token answers
     match the exact warped target distribution (chi-square at p = 1e-4, 1,500 samples)."""
-    from test_spec_engine import check_trained_drafter_samples
+    from test_engine import SAMPLED_FLOOR, check_trained_drafter_samples
 
     target = wrap(*tiny_llava(init=0.08))
     req = Request(prompt="describe the image", images=tuple(random_images(1, seed=7)))
     mm = _features(target, [Request(prompt="describe the image", images=tuple(random_images(1, seed=i)))
                             for i in range(8)], tmp_path / "mm", n_tokens=8)
     cfg = TrainConfig(epochs=8, batch_size=4, lr=1e-2, warmup_steps=1, text_epochs=0)
-    d = load_drafter(str(train_drafter("vispec", target, mm, tmp_path / "d", cfg)), target)
-    check_trained_drafter_samples(target, d, req, min_accepted=1500 // 10)
+    out = train_drafter("vispec", target, mm, tmp_path / "d", cfg)
+    d = load_drafter(str(out), target)
+    check_trained_drafter_samples(target, d, req, min_accepted=SAMPLED_FLOOR)

@@ -4,7 +4,7 @@ Entry points: `run_job(JobSpec)`, the per-row `SpecDecoder.decode(row)`, and `jo
 """
 
 from mmspec_ray.batch.decoder import SpecDecoder
-from mmspec_ray.batch.spec import DEFAULT_DRAFTER, DecodeConfig, JobSpec, MediaSpec
+from mmspec_ray.batch.jobspec import DEFAULT_DRAFTER, DecodeConfig, JobSpec, MediaSpec
 
 __all__ = ["DEFAULT_DRAFTER", "DecodeConfig", "JobSpec", "MediaSpec", "SpecDecoder", "run_job"]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from mmspec_ray.batch.spec import CAPTION_PROMPT, DEFAULT_DRAFTER, DEFAULT_SPLIT, DEFAULT_TOY, JobSpec, merge
+from mmspec_ray.batch.jobspec import CAPTION_PROMPT, DEFAULT_DRAFTER, DEFAULT_SPLIT, DEFAULT_TOY, JobSpec, merge
 from mmspec_ray.config import S3Config
 
 log = logging.getLogger("mmspec.batch")
@@ -125,7 +125,7 @@ def frames_default(target: str) -> int | None:
 def plan(job: str, a: argparse.Namespace) -> tuple[JobSpec, pa.Table | None]:
     """The JobSpec and, for CSV or toy-world inputs, the rows built in memory."""
     from mmspec_ray.batch.sources import kinetics_rows, toy_rows
-    from mmspec_ray.toy.build import build_toy, mmspec_home
+    from mmspec_ray.toy.resolve import home, toy_world
 
     data: dict[str, Any] = {}
     if a.config:
@@ -147,7 +147,7 @@ def plan(job: str, a: argparse.Namespace) -> tuple[JobSpec, pa.Table | None]:
             media["num_frames"] = frames_default(dec["target"])
     table = None
     if not data.get("input"):
-        world = build_toy(a.toy)
+        world = toy_world(a.toy)
         if job == "caption_kinetics":
             table = kinetics_rows(str(world.kinetics_csv(a.split)), str(world.clips / a.split), dec["default_prompt"])
             data["input"] = str(world.kinetics_csv(a.split))
@@ -169,7 +169,7 @@ def plan(job: str, a: argparse.Namespace) -> tuple[JobSpec, pa.Table | None]:
         if target_name == "target":  # a toy world's checkpoint folder: name the world instead
             target_name = Path(dec["target"].rstrip("/")).parent.name
         drafter = Path(str(dec.get("drafter") or DEFAULT_DRAFTER).rstrip("/")).name
-        data["output"] = str(mmspec_home() / "batch" / f"{job}-{target_name}-{drafter}")
+        data["output"] = str(home() / "batch" / f"{job}-{target_name}-{drafter}")
     return JobSpec.model_validate(data), table
 
 

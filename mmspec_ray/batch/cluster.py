@@ -11,7 +11,7 @@ import time
 
 import ray
 
-from mmspec_ray.batch.spec import JobSpec
+from mmspec_ray.batch.jobspec import JobSpec
 
 log = logging.getLogger(__name__)
 

@@ -18,12 +18,12 @@ import torch
 
 from mmspec_ray.batch.rows import (ERROR_COL, ERROR_KIND_COL, INTERNAL_COLUMNS, OUTPUT_SCHEMA, REQUEST_COL,
                                    RowError, error_output, prepare_row, resolve_image_side)
-from mmspec_ray.batch.spec import DecodeConfig
+from mmspec_ray.batch.jobspec import DecodeConfig
 from mmspec_ray.config import SamplingParams
 from mmspec_ray.drafters.base import load_drafter
-from mmspec_ray.spec.calibrate import auto_tree
-from mmspec_ray.spec.engine import AREngine, SpecEngine
-from mmspec_ray.spec.output import Generation
+from mmspec_ray.decoding.calibrate import auto_tree
+from mmspec_ray.decoding.engine import AREngine, SpecEngine
+from mmspec_ray.decoding.output import Generation
 from mmspec_ray.targets import InvalidRequest, PromptTooLong, Request, TargetError, load_target
 from mmspec_ray.targets.registry import resolve_device_name, resolve_dtype
 

@@ -27,9 +27,9 @@ from mmspec_ray.batch.decoder import SpecDecoder
 from mmspec_ray.batch.output import OutputState, PartNames, claim, drop_rows
 from mmspec_ray.batch.output import scan as scan_output
 from mmspec_ray.batch.progress import ProgressPrinter, ProgressTracker
-from mmspec_ray.batch.rows import (IMAGE_FIELDS, INTERNAL_COLUMNS, OUTPUT_COLUMNS, RETRYABLE_KINDS, VIDEO_FIELDS,
-                                   prepare_row, resolve_image_side)
-from mmspec_ray.batch.spec import DecodeConfig, JobSpec
+from mmspec_ray.batch.jobspec import RETRYABLE_KINDS, DecodeConfig, JobSpec
+from mmspec_ray.batch.rows import (IMAGE_FIELDS, INTERNAL_COLUMNS, OUTPUT_COLUMNS, VIDEO_FIELDS, prepare_row,
+                                   resolve_image_side)
 from mmspec_ray.batch.stages import keep_ids, prepare_block
 from mmspec_ray.batch.storage import (SUMMARY_NAME, JobInputError, Location, check_disjoint, check_ids, locate,
                                       parquet_files, scan_input, write_json)

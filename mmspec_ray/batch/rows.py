@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any, get_args
+from typing import Any
 
 import pyarrow as pa
 
-from mmspec_ray.batch.spec import DecodeConfig
+from mmspec_ray.batch.jobspec import DecodeConfig
 from mmspec_ray.media import MediaError, load_image, load_video
-from mmspec_ray.media.errors import TRANSIENT_KINDS, MediaErrorKind
 from mmspec_ray.targets.base import Request
 
 IMAGE_FIELDS = ("image", "image_uri")
@@ -41,11 +40,6 @@ ERROR_COL = "__mmspec_error"
 ERROR_KIND_COL = "__mmspec_error_kind"
 INTERNAL_COLUMNS = (REQUEST_COL, ERROR_COL, ERROR_KIND_COL)
 
-# Error kinds a re-run of the job decodes again by itself (the media store was unreachable, not the row wrong).
-RETRYABLE_KINDS = tuple(f"media.{k}" for k in TRANSIENT_KINDS)
-# Every `error_kind` a row can get (what --retry-errors accepts).
-ERROR_KINDS = frozenset({"null_field", "missing_field", "invalid", "too_long", "target", "internal", "crash"} |
-                        {f"media.{k}" for k in get_args(MediaErrorKind)})
 MESSAGE_ROLES = ("system", "user", "assistant")
 MEDIA_PARTS = {"image": "image", "video": "video"}
 

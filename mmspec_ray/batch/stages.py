@@ -14,7 +14,7 @@ import pyarrow.compute as pc
 import ray
 
 from mmspec_ray.batch.rows import ERROR_COL, ERROR_KIND_COL, REQUEST_COL, RowError, prepare_row
-from mmspec_ray.batch.spec import DecodeConfig
+from mmspec_ray.batch.jobspec import DecodeConfig
 
 
 def keep_ids(batch: pa.Table, ids: pa.Array) -> pa.Table:

@@ -13,8 +13,8 @@ import statistics
 import torch
 
 from mmspec_ray.config import SamplingParams
-from mmspec_ray.spec.calibrate import device_name, verify_seconds  # what tree calibration measures, here reported on its own
-from mmspec_ray.spec.engine import AREngine
+from mmspec_ray.decoding.calibrate import device_name, verify_seconds  # what tree calibration measures, here reported on its own
+from mmspec_ray.decoding.engine import AREngine
 from mmspec_ray.targets.base import Request, VLMTarget
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import pyarrow as pa
 
 from mmspec_ray.batch.decoder import SpecDecoder
-from mmspec_ray.batch.spec import CAPTION_PROMPT, DEFAULT_DRAFTER, DecodeConfig, JobSpec
+from mmspec_ray.batch.jobspec import CAPTION_PROMPT, DEFAULT_DRAFTER, DecodeConfig, JobSpec
 from mmspec_ray.toy.drafter import resolve_auto_drafter
 
 log = logging.getLogger("mmspec.bench.batch")

@@ -80,7 +80,7 @@ def answers(target, request, max_new_tokens: int, drafter_seed: int,
     """Every method's greedy answer to one request (+ `ties`: [near-tie cycles, cycles] of the two spec runs)."""
     from mmspec_ray.drafters.eagle import Eagle2Drafter
     from mmspec_ray.drafters.oracle import OracleDrafter
-    from mmspec_ray.spec.engine import AREngine, SpecEngine
+    from mmspec_ray.decoding.engine import AREngine, SpecEngine
 
     inputs = target.encode(request)
     with torch.inference_mode():

@@ -19,13 +19,13 @@ from mmspec_ray.targets.base import Request
 GROUPS = (
     ("target verify forward", "targets/base.py", "verify"),
     ("target prefill", "targets/base.py", "prefill"),
-    ("drafter propose (its forwards + tree growth)", "spec/tree.py", "grow_dynamic_tree"),
+    ("drafter propose (its forwards + tree growth)", "decoding/tree.py", "grow_dynamic_tree"),
     ("drafter observe", "", "observe"),
     ("drafter begin", "", "begin"),
-    ("acceptance", "spec/accept.py", "accept"),
+    ("acceptance", "decoding/accept.py", "accept"),
     ("KV commit", "targets/base.py", "commit"),
-    ("tree mask + ancestors", "spec/tree.py", "ancestor_mask"),
-    ("per-node processors", "spec/processors.py", "tree_logits"),
+    ("tree mask + ancestors", "decoding/tree.py", "ancestor_mask"),
+    ("per-node processors", "decoding/processors.py", "tree_logits"),
 )
 
 
@@ -36,7 +36,7 @@ def split(stats: pstats.Stats) -> dict[str, float]:
     for (file, _, func), (_, _, _, cum, _) in stats.stats.items():  # type: ignore[attr-defined]
         if "mmspec_ray/" not in file:
             continue
-        if file.endswith("spec/engine.py") and func == "generate":
+        if file.endswith("decoding/engine.py") and func == "generate":
             total += cum
         for name, suffix, fn in GROUPS:
             if func == fn and file.endswith(suffix) and ("drafters/" in file or suffix):
@@ -62,7 +62,7 @@ def profile(engine, requests: list[Request], max_new_tokens: int) -> dict[str, f
 def main(argv: list[str] | None = None) -> int:
     from mmspec_ray.bench.run import split_tree
     from mmspec_ray.drafters.base import load_drafter
-    from mmspec_ray.spec.engine import SpecEngine
+    from mmspec_ray.decoding.engine import SpecEngine
     from mmspec_ray.targets import load_target
     from mmspec_ray.toy.build import build_toy
     from mmspec_ray.toy.prompts import toy_requests

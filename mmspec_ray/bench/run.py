@@ -32,9 +32,9 @@ from mmspec_ray.config import SamplingParams
 from mmspec_ray.drafters.base import load_drafter
 from mmspec_ray.drafters.ngram import NgramDrafter
 from mmspec_ray.drafters.oracle import OracleDrafter
-from mmspec_ray.spec.calibrate import auto_tree, device_name
-from mmspec_ray.spec.engine import AREngine, SpecEngine
-from mmspec_ray.spec.tree import TreeConfig
+from mmspec_ray.decoding.calibrate import auto_tree, device_name
+from mmspec_ray.decoding.engine import AREngine, SpecEngine
+from mmspec_ray.decoding.tree import TreeConfig
 from mmspec_ray.targets.base import Request, VLMTarget
 
 log = logging.getLogger(__name__)

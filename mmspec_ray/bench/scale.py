@@ -22,9 +22,9 @@ import torch
 
 from mmspec_ray.config import SamplingParams
 from mmspec_ray.drafters.eagle import Eagle2Drafter
-from mmspec_ray.spec.accept import accept
-from mmspec_ray.spec.sampling import make_generator
-from mmspec_ray.spec.tree import DraftTree, TreeConfig
+from mmspec_ray.decoding.accept import accept
+from mmspec_ray.decoding.sampling import make_generator
+from mmspec_ray.decoding.tree import DraftTree, TreeConfig
 from mmspec_ray.targets.base import VLMTarget
 
 VOCAB = 152_064

@@ -72,7 +72,7 @@ def parquet_workload(name: str, uri: str, target: str, prompts: int) -> Workload
     batch jobs' row code (prompt or messages, image / image_uri / video / video_uri; media scaled for `target`).
     Rows that fail are skipped and kept in `skipped` with the reason, so the bench reports them."""
     from mmspec_ray.batch.rows import RowError, prepare_row, resolve_image_side
-    from mmspec_ray.batch.spec import DecodeConfig
+    from mmspec_ray.batch.jobspec import DecodeConfig
     from mmspec_ray.batch.storage import locate, parquet_files
 
     cfg = resolve_image_side(DecodeConfig(target=target))

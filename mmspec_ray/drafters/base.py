@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
-from mmspec_ray.spec.tree import DraftTree, TreeConfig
+from mmspec_ray.decoding.tree import DraftTree, TreeConfig
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -45,10 +45,25 @@ class Drafter(Protocol):
         """After verification: accepted path tokens (root first), target hidden [len(tokens), d], next root."""
 
 
+# method name -> the module that defines (and registers) its drafter class: imported on first use, so this
+# protocol file never imports its implementations
+MODULES: dict[str, str] = {
+    "eagle2": "mmspec_ray.drafters.eagle",
+    "hivis": "mmspec_ray.drafters.hivis",
+    "msd": "mmspec_ray.drafters.msd",
+    "specflash": "mmspec_ray.drafters.specflash",
+    "vispec": "mmspec_ray.drafters.vispec",
+    "dream": "mmspec_ray.drafters.dream",
+    "ngram": "mmspec_ray.drafters.ngram",
+    "none": "mmspec_ray.drafters.none",
+    "oracle": "mmspec_ray.drafters.oracle",
+}
 _REGISTRY: dict[str, type] = {}
 
 
 def register_drafter(name: str):
+    """Class decorator: the drafter class of method `name` (its module must be listed in MODULES)."""
+
     def deco(cls: type) -> type:
         cls.name = name
         _REGISTRY[name] = cls
@@ -58,13 +73,13 @@ def register_drafter(name: str):
 
 
 def drafter_class(name: str) -> type:
-    from mmspec_ray.drafters import eagle, hivis, msd, ngram, none, oracle  # noqa: F401  (registration side effect)
-    from mmspec_ray.drafters import specflash  # noqa: F401
-    from mmspec_ray.drafters import dream  # noqa: F401
-    from mmspec_ray.drafters import vispec  # noqa: F401
+    """The drafter class of method `name`, importing its module on first use."""
+    import importlib
 
+    if name not in MODULES:
+        raise ValueError(f"unknown drafter method {name!r}; choose one of {sorted(MODULES)}")
     if name not in _REGISTRY:
-        raise ValueError(f"unknown drafter method {name!r}; choose one of {sorted(_REGISTRY)}")
+        importlib.import_module(MODULES[name])
     return _REGISTRY[name]
 
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from mmspec_ray.drafters.base import check_device, register_drafter
 from mmspec_ray.drafters.layers import DecoderLayer
-from mmspec_ray.spec.tree import DraftTree, TreeConfig, grow_ancestors, grow_dynamic_tree
+from mmspec_ray.decoding.tree import DraftTree, TreeConfig, grow_ancestors, grow_dynamic_tree
 
 if TYPE_CHECKING:
     from mmspec_ray.targets.base import TargetOutput, VLMTarget

@@ -70,3 +70,20 @@ class DecoderLayer(nn.Module):
         x = x + self.o_proj(att.transpose(1, 2).reshape(B, T, -1))
         h = self.post_norm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+def causal_pad_mask(valid: torch.Tensor) -> torch.Tensor:
+    """[B, 1, T, T] bool: causal, no attention to padding (padding rows attend to themselves to stay finite)."""
+    T = valid.shape[1]
+    m = torch.ones(T, T, dtype=torch.bool, device=valid.device).tril()[None] & valid[:, None, :]
+    m |= torch.eye(T, dtype=torch.bool, device=valid.device)[None]
+    return m[:, None]
+
+
+def rms_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x [..., d] scaled to unit root-mean-square per row, no weights (computed in float32, returned in x's dtype).
+    Drafters that feed the target's media embeddings in directly (MSD's raw visual entries, ViSpec's adaptor) use it:
+    projector outputs can be hundreds of times the size of text embeddings (tiny LLaVA: 838 against 4), and then
+    training diverges."""
+    f = x.float()
+    return (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)

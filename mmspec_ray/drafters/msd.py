@@ -12,16 +12,30 @@ Tree nodes and accepted tokens are text: the rest is EAGLE-2 (same head, same tr
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from mmspec_ray.drafters.base import register_drafter
 from mmspec_ray.drafters.eagle import Eagle2Config, Eagle2Drafter, Eagle2Head
+from mmspec_ray.drafters.layers import rms_normalise
+
+if TYPE_CHECKING:
+    from mmspec_ray.targets.base import VLMTarget
 
 
 class MSDConfig(Eagle2Config):
     """Same sizes as EAGLE-2's head; `method` tells `load_drafter` to decouple the visual inputs."""
 
     method: str = "msd"
+    # RMS-normalise the raw visual entries (layers.rms_normalise). The decoder layer has no input norm (EAGLE's), so
+    # a projector output hundreds of times the text entries' size swamps its attention and training diverges. New
+    # heads set it (for_target); a config saved without the field loads as it was trained (False).
+    media_norm: bool = False
+
+    @classmethod
+    def for_target(cls, target: "VLMTarget") -> "MSDConfig":
+        return super().for_target(target).model_copy(update={"media_norm": True})
 
 
 class MSDHead(Eagle2Head):
@@ -36,7 +50,8 @@ class MSDHead(Eagle2Head):
         fused = self.fc(torch.cat([embeds, feats], dim=-1))
         if visual is None:
             return fused
-        return torch.where(visual[..., None].to(fused.device), embeds.to(fused.dtype), fused)
+        raw = rms_normalise(embeds) if self.cfg.media_norm else embeds
+        return torch.where(visual[..., None].to(fused.device), raw.to(fused.dtype), fused)
 
 
 @register_drafter("msd")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from mmspec_ray.drafters.base import register_drafter
-from mmspec_ray.spec.tree import DraftTree, TreeConfig
+from mmspec_ray.decoding.tree import DraftTree, TreeConfig
 
 
 @register_drafter("ngram")

@@ -29,7 +29,7 @@ from torch import nn
 
 from mmspec_ray.drafters.base import register_drafter
 from mmspec_ray.drafters.eagle import Eagle2Config, Eagle2Drafter, Eagle2Head
-from mmspec_ray.spec.tree import DraftTree, TreeConfig, depths
+from mmspec_ray.decoding.tree import DraftTree, TreeConfig, depths
 
 if TYPE_CHECKING:
     from mmspec_ray.targets.base import TargetOutput, VLMTarget

@@ -28,6 +28,7 @@ from torch import nn
 
 from mmspec_ray.drafters.base import register_drafter
 from mmspec_ray.drafters.eagle import Eagle2Config, Eagle2Drafter, Eagle2Head
+from mmspec_ray.drafters.layers import rms_normalise
 
 if TYPE_CHECKING:
     from mmspec_ray.targets.base import TargetOutput, VLMTarget
@@ -39,15 +40,24 @@ class ViSpecConfig(Eagle2Config):
     method: str = "vispec"
     compressed: int = 1  # n_c: the paper's final setting (its Table 2 sweeps 1, 4, 16, 64)
     global_pool: Literal["mean", "last"] = "mean"  # g of a run of back-to-back pieces: mean (video) or the last's
+    # RMS-normalise each media row before the adaptor (layers.rms_normalise). Unnormalised, a projector output of
+    # hundreds of times the text embeddings' size makes one AdamW step on img_fc's g half move the fused feature by
+    # |g| x lr per weight, and training diverges. New heads set it (for_target); a config saved without the field
+    # loads as it was trained (False).
+    media_norm: bool = False
+
+    @classmethod
+    def for_target(cls, target: "VLMTarget") -> "ViSpecConfig":
+        return super().for_target(target).model_copy(update={"media_norm": True})
 
 
 class VisionAdaptor(nn.Module):
     """One multi-head cross-attention from learnable queries onto a piece's media embeddings, then o_proj: no MLP,
     norm, residual or positional encoding (spec §2.2, confirmed by the paper's parameter counts)."""
 
-    def __init__(self, dim: int, heads: int, queries: int) -> None:
+    def __init__(self, dim: int, heads: int, queries: int, media_norm: bool = False) -> None:
         super().__init__()
-        self.heads, self.head_dim = heads, dim // heads
+        self.heads, self.head_dim, self.media_norm = heads, dim // heads, media_norm
         self.queries = nn.Parameter(torch.randn(queries, heads, self.head_dim) * self.head_dim ** -0.5)
         self.k_proj = nn.Linear(dim, dim, bias=False)
         self.v_proj = nn.Linear(dim, dim, bias=False)
@@ -56,6 +66,8 @@ class VisionAdaptor(nn.Module):
     def forward(self, media: torch.Tensor) -> torch.Tensor:
         """media [N, d] -> [queries, d]: rows 0..n_c-1 the compressed tokens, the last row the global vector."""
         n = media.shape[0]
+        if self.media_norm:  # scale-free keys and values whatever the projector's output scale
+            media = rms_normalise(media)
         k = self.k_proj(media).view(n, self.heads, self.head_dim).transpose(0, 1)
         v = self.v_proj(media).view(n, self.heads, self.head_dim).transpose(0, 1)
         q = self.queries.to(media.dtype).transpose(0, 1)  # [H, Q, hd]
@@ -101,7 +113,7 @@ class ViSpecHead(Eagle2Head):
         if cfg.compressed < 1:
             raise ValueError(f"compressed (n_c) must be >= 1, got {cfg.compressed}")
         d = cfg.hidden_size
-        self.adaptor = VisionAdaptor(d, cfg.num_heads, cfg.compressed + 1)
+        self.adaptor = VisionAdaptor(d, cfg.num_heads, cfg.compressed + 1, cfg.media_norm)
         self.img_fc = nn.Linear(2 * d, d, bias=True)
         with torch.no_grad():  # [I | 0], bias 0: starts as f_aug = f (authors' code)
             self.img_fc.weight.zero_()

@@ -22,7 +22,7 @@ _VIDEO_MAGIC_AT0 = (b"\x1a\x45\xdf\xa3", b"RIFF", b"FLV", b"OggS", b"\x00\x00\x0
 DEFAULT_NUM_FRAMES = 8  # uniform frames when neither num_frames nor fps is given
 # Threaded decoding (FFmpeg's "AUTO") and colour conversion (swscale) from this frame size up. Below it, starting
 # the threads costs more than they save: a 96 px toy clip decodes in 1.0 ms on one thread against 3.7 ms threaded,
-# and a frame converts to RGB in 0.13 ms against 0.29 ms (scripts/media_thread_costs.py; docs/toy.md, "Build
+# and a frame converts to RGB in 0.13 ms against 0.29 ms (experiments/media_thread_costs.py; docs/toy.md, "Build
 # time"). The frames are the same.
 THREADED_VIDEO_PIXELS = 640 * 360
 

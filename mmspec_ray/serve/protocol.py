@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mmspec_ray.serve.errors import APIError
-from mmspec_ray.spec.output import Generation, GenerationStats
+from mmspec_ray.decoding.output import Generation, GenerationStats
 
 
 class StreamOptions(BaseModel):

@@ -13,7 +13,7 @@ from collections.abc import Callable, Generator
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
-from mmspec_ray.spec.output import Generation
+from mmspec_ray.decoding.output import Generation
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mmspec_ray.batch.spec import DecodeConfig
+from mmspec_ray.batch.jobspec import DecodeConfig
 
 # Serve options of the chat deployment when the config says nothing: one request decoding (batch size 1) plus one
 # staged behind it, a bounded proxy queue, 503 + Retry-After past it.
@@ -78,6 +78,6 @@ class ServeSettings(BaseModel):
 
     def deployment_options(self) -> dict[str, Any]:
         """DEFAULT_DEPLOYMENT with `deployment` merged over it (nested dicts merge)."""
-        from mmspec_ray.batch.spec import merge
+        from mmspec_ray.batch.jobspec import merge
 
         return merge(DEFAULT_DEPLOYMENT, self.deployment)

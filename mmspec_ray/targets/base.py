@@ -11,27 +11,15 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-from PIL import Image
 from transformers import DynamicCache
 
 from mmspec_ray.targets import frames
+from mmspec_ray.targets.request import InvalidRequest, PromptTooLong, Request, TargetError  # noqa: F401
 from mmspec_ray.targets.placeholders import placeholder_tokens, typed_placeholder
 
 log = logging.getLogger(__name__)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
-
-
-class TargetError(ValueError):
-    """A request this target cannot serve (wrong media kind, too long, missing processor ...). Says what to do."""
-
-
-class InvalidRequest(TargetError):
-    """The request's own shape is wrong (a field's content, not a target limit); the message starts with the field."""
-
-
-class PromptTooLong(TargetError):
-    """Prompt + max_new_tokens exceed the target's context (callers report it as its own error kind)."""
 
 
 def media_runs(media: torch.Tensor) -> list[tuple[int, int]]:
@@ -61,20 +49,6 @@ def segment_ids(n: int, pieces: list[tuple[int, int]], device: torch.device | st
 def id_set(src: int | list[int] | tuple[int, ...] | None) -> set[int]:
     """A config's token id field (an id, a list of ids or None) as a set."""
     return set() if src is None else set(src) if isinstance(src, (list, tuple)) else {src}
-
-
-@dataclass(frozen=True)
-class Request:
-    """One user turn: a text prompt (or OpenAI-style messages) plus its media."""
-
-    prompt: str | None = None
-    messages: list[dict] | None = None  # OpenAI-style; overrides `prompt` when given
-    images: tuple[Image.Image, ...] = ()
-    videos: tuple[tuple[Image.Image, ...], ...] = ()  # each video as its sampled RGB frames
-
-    def __post_init__(self) -> None:
-        if self.prompt is None and self.messages is None:
-            raise TargetError("a request needs a prompt or messages")
 
 
 @dataclass(frozen=True)

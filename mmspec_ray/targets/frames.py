@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from PIL import Image
 
-    from mmspec_ray.targets.base import Request
+    from mmspec_ray.targets.request import Request
 
 
 def media_parts(messages: list[dict]) -> list[str]:

@@ -5,7 +5,6 @@ Read from the saved processor configs (no model load), so the driver can resolve
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 _SIDE_KEYS = ("shortest_edge", "longest_edge", "height", "width")

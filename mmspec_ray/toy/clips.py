@@ -127,7 +127,7 @@ def encode_mp4(frames: list[Image.Image], fps: int = 8) -> bytes:
 def _yuv420_frame(img: Image.Image) -> av.VideoFrame:
     """`img` as a yuv420p frame whose row padding is zeros. A 96 px frame's 48 px chroma rows are padded to 64
     bytes, and PyAV leaves that padding uninitialised, which x264 reads."""
-    # one swscale thread: the same bytes, ~9x faster on 96 px frames (scripts/media_thread_costs.py)
+    # one swscale thread: the same bytes, ~9x faster on 96 px frames (experiments/media_thread_costs.py)
     src = av.VideoFrame.from_image(img).reformat(format="yuv420p", threads=1)
     out = av.VideoFrame(img.width, img.height, "yuv420p")
     for s, d in zip(src.planes, out.planes):

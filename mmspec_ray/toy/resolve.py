@@ -14,3 +14,17 @@ def resolve_target(target: str) -> str:
 
         return str(build_toy(target).target)
     return target
+
+
+def toy_world(name: str):
+    """The toy world `name` (built on first use): the default inputs of the batch jobs come from its splits."""
+    from mmspec_ray.toy.build import build_toy
+
+    return build_toy(name)
+
+
+def home():
+    """`$MMSPEC_HOME` (default ~/.cache/mmspec): where worlds, drafters, calibrations and default outputs live."""
+    from mmspec_ray.toy.build import mmspec_home
+
+    return mmspec_home()

@@ -203,7 +203,7 @@ def pretrain_vision(model: LlavaForConditionalGeneration, pixels: torch.Tensor, 
     scale the colour, shape, size and clip-action losses: shape is learnt last and slowest (colour is near perfect
     within 400 steps), so weighting it up gives features the language model can bind without errors in the same
     number of steps (docs/toy.md). `probe(step, heads)` is called after the last step, before the projector
-    rescale (held-out head accuracy, scripts/toy_stage1_probe.py). Returns the min per-attribute accuracy on the
+    rescale (held-out head accuracy, experiments/toy_stage1_probe.py). Returns the min per-attribute accuracy on the
     last batches (empty cells included, so it overstates shape accuracy).
     """
     torch.manual_seed(seed)

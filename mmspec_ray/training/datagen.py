@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 from tqdm.auto import tqdm
 
 from mmspec_ray.config import SamplingParams
-from mmspec_ray.spec.engine import AREngine
+from mmspec_ray.decoding.engine import AREngine
 from mmspec_ray.targets.base import Request, VLMTarget
 from mmspec_ray.training.dream import entropy_candidates, intermediate_features
 from mmspec_ray.training.shards import FeatureExample, ShardStore

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mmspec_ray.batch.decoder import resolve_device
 from mmspec_ray.batch.rows import ERROR_COL, ERROR_KIND_COL, REQUEST_COL
-from mmspec_ray.batch.spec import DecodeConfig
+from mmspec_ray.batch.jobspec import DecodeConfig
 from mmspec_ray.targets import InvalidRequest, PromptTooLong, TargetError, load_target
 from mmspec_ray.training.datagen import MEDIA_IN_ANSWER, DatagenRecipe, answer_and_featurize
 from mmspec_ray.training.shards import FeatureExample, ShardStore
@@ -118,7 +118,7 @@ class FeatureWriter:
 def done_ids(store: ShardStore) -> set[str]:
     """Ids a re-run skips: answered, or failed for a reason of the row itself. Rows that failed transiently (an S3
     outage while reading media, an internal error) are answered again."""
-    from mmspec_ray.batch.rows import RETRYABLE_KINDS
+    from mmspec_ray.batch.jobspec import RETRYABLE_KINDS
 
     retry = set(RETRYABLE_KINDS) | {"internal"}
     done: set[str] = set()
@@ -134,7 +134,7 @@ def run_datagen(job: DatagenJob, progress_every_s: float = 30.0) -> dict[str, An
 
     from mmspec_ray.batch.cluster import connect_ray
     from mmspec_ray.batch.pipeline import job_config
-    from mmspec_ray.batch.spec import JobSpec
+    from mmspec_ray.batch.jobspec import JobSpec
     from mmspec_ray.batch.stages import prepare_block
     from mmspec_ray.batch.storage import locate, parquet_files, scan_input
 

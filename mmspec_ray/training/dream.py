@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mmspec_ray.drafters.layers import causal_pad_mask
 from mmspec_ray.training.shards import FeatureExample
 
 
@@ -69,8 +70,6 @@ def dream_loss(head, batch: dict[str, torch.Tensor], lm_head_weight: torch.Tenso
     """w_feat smooth-L1(final feature, s) + w_mid smooth-L1(tapped draft feature, intermediate target) + w_kl
     KL(target || draft) of the next-token distributions, each a mean over the masked positions (smooth-L1 a mean
     over d, the KL a sum over the vocabulary: the paper's per-token KL)."""
-    from mmspec_ray.training.methods import causal_pad_mask
-
     emb, valid = batch["emb"], batch["valid"]
     B, T, _ = emb.shape
     pos = torch.arange(T, device=emb.device)[None].expand(B, -1)

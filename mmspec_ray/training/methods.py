@@ -18,6 +18,7 @@ from torch import nn
 
 from mmspec_ray.drafters.dream import DreamDrafter, DreamHead
 from mmspec_ray.drafters.eagle import Eagle2Drafter, Eagle2Head
+from mmspec_ray.drafters.layers import causal_pad_mask
 from mmspec_ray.drafters.hivis import HiViSDrafter, HiViSHead
 from mmspec_ray.drafters.msd import MSDDrafter, MSDHead
 from mmspec_ray.drafters.specflash import SpecFlashDrafter, SpecFlashHead
@@ -26,22 +27,14 @@ from mmspec_ray.training.dream import dream_collate, dream_loss
 from mmspec_ray.training.shards import FeatureExample
 from mmspec_ray.training.losses import eagle_loss
 from mmspec_ray.training.specflash import expand_example, specflash_loss
+from mmspec_ray.training.schedule import TrainConfig, stage_schedule
 from mmspec_ray.training.vispec import vispec_loss
 
 if TYPE_CHECKING:
     from mmspec_ray.drafters.base import Drafter
     from mmspec_ray.targets.base import VLMTarget
-    from mmspec_ray.training.trainer import TrainConfig
 
 log = logging.getLogger(__name__)
-
-
-def causal_pad_mask(valid: torch.Tensor) -> torch.Tensor:
-    """[B, 1, T, T] bool: causal, no attention to padding (padding rows attend to themselves to stay finite)."""
-    T = valid.shape[1]
-    m = torch.ones(T, T, dtype=torch.bool, device=valid.device).tril()[None] & valid[:, None, :]
-    m |= torch.eye(T, dtype=torch.bool, device=valid.device)[None]
-    return m[:, None]
 
 
 def eagle_collate(examples: list[FeatureExample], idx: list[int], noise: float,
@@ -206,8 +199,6 @@ class ViSpecMethod(TrainingMethod):
         return epochs // 3
 
     def begin_epoch(self, head: nn.Module, epoch: int, cfg: "TrainConfig") -> None:
-        from mmspec_ray.training.trainer import stage_schedule
-
         self.stage2 = epoch > stage_schedule(self, cfg).text_epochs
 
     def collate(self, examples, idx, noise, gen):

@@ -22,8 +22,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
-from mmspec_ray.batch.spec import DecodeConfig
-from mmspec_ray.spec.tree import TreeConfig
+from mmspec_ray.batch.jobspec import DecodeConfig
+from mmspec_ray.decoding.tree import TreeConfig
 from mmspec_ray.targets.base import Request
 from mmspec_ray.training.datagen import DatagenRecipe
 from mmspec_ray.training.datagen_job import DatagenJob, run_datagen

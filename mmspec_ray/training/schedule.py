@@ -13,6 +13,8 @@ multimodal pool with probability r_e (independently), from the text pool otherwi
 from __future__ import annotations
 
 import numpy as np
+from typing import Protocol
+
 from pydantic import BaseModel, Field, model_validator
 
 
@@ -66,3 +68,42 @@ class StageSchedule(BaseModel):
         if self.mixed:
             return n_multimodal + n_text
         return n_multimodal if self.text_epochs == 0 else min(n_multimodal, n_text)
+
+
+class StagedMethod(Protocol):
+    """What the stage schedule reads of a training method (`training.methods.TrainingMethod`)."""
+
+    direct_stage2: bool
+    mixes_text: bool
+
+    def default_text_epochs(self, epochs: int) -> int: ...
+
+
+class TrainConfig(BaseModel):
+    """The shared trainer's settings (every method, single-process and Ray Train)."""
+
+    epochs: int = Field(10, ge=1)
+    batch_size: int = Field(16, ge=1)
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 50
+    noise: float = 0.2  # uniform feature noise amplitude: U(-noise/2, noise/2), as in EAGLE
+    grad_clip: float = 0.5
+    p_weight: float = 0.1
+    seed: int = 0
+    eval_max_new_tokens: int = 96
+    eval_every: int = Field(1, ge=1, description="held-out tau every this many epochs and after the last one (it "
+                            "decodes real prompts: seconds per epoch on a CPU, more than a small epoch's training)")
+    text_epochs: int | None = Field(None, ge=0, description="stage-1 (text-only) epochs; None: the method's default")
+    bucket_batches: int = Field(8, ge=1, description="length bucketing: consecutive items are sorted by length "
+                                "in chunks of this many batches (less padding, less varied batches)")
+    gradual: bool = True  # stage 2 ramps the multimodal share linearly (False: all multimodal at once)
+    multistep_epochs: int | None = Field(None, ge=0, description="epochs of a method's multi-step stage at the "
+                                         "end of the run (HiViS stage 2); None: the method's default")
+
+
+def stage_schedule(method: StagedMethod, cfg: TrainConfig) -> StageSchedule:
+    """The stages a run of `method` under `cfg` goes through (the method's defaults where cfg leaves them open)."""
+    text = method.default_text_epochs(cfg.epochs) if cfg.text_epochs is None else cfg.text_epochs
+    return StageSchedule(epochs=cfg.epochs, text_epochs=text, gradual=cfg.gradual and not method.direct_stage2,
+                         mixed=method.mixes_text)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from mmspec_ray.drafters.specflash import SpecFlashHead, compressed_count
-from mmspec_ray.training.datagen import FeatureExample
+from mmspec_ray.training.shards import FeatureExample
 from mmspec_ray.training.losses import eagle_loss
 
 FUSED, COMPRESSED, RAW, PLACEHOLDER = 1, 2, 3, 4  # kinds of drafter inputs

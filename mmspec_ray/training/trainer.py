@@ -19,45 +19,17 @@ from typing import Any
 
 import numpy as np
 import torch
-from pydantic import BaseModel, Field
 from tqdm.auto import tqdm
 
-from mmspec_ray.spec.engine import SpecEngine
-from mmspec_ray.spec.tree import TreeConfig
+from mmspec_ray.decoding.engine import SpecEngine
+from mmspec_ray.decoding.tree import TreeConfig
 from mmspec_ray.targets.base import Request, VLMTarget
 from mmspec_ray.training.datagen import FeatureExample
 from mmspec_ray.training.methods import TrainingMethod, training_method
-from mmspec_ray.training.schedule import StageSchedule
+from mmspec_ray.training.schedule import TrainConfig, stage_schedule
 
 log = logging.getLogger(__name__)
 __all__ = ["TrainConfig", "train_drafter", "heldout_tau", "stage_schedule", "make_optimizer", "train_step"]
-
-
-class TrainConfig(BaseModel):
-    epochs: int = Field(10, ge=1)
-    batch_size: int = Field(16, ge=1)
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    warmup_steps: int = 50
-    noise: float = 0.2  # uniform feature noise amplitude: U(-noise/2, noise/2), as in EAGLE
-    grad_clip: float = 0.5
-    p_weight: float = 0.1
-    seed: int = 0
-    eval_max_new_tokens: int = 96
-    eval_every: int = Field(1, ge=1, description="held-out tau every this many epochs and after the last one (it "
-                            "decodes real prompts: seconds per epoch on a CPU, more than a small epoch's training)")
-    text_epochs: int | None = Field(None, ge=0, description="stage-1 (text-only) epochs; None: the method's default")
-    bucket_batches: int = Field(8, ge=1, description="length bucketing: consecutive items are sorted by length "
-                                "in chunks of this many batches (less padding, less varied batches)")
-    gradual: bool = True  # stage 2 ramps the multimodal share linearly (False: all multimodal at once)
-    multistep_epochs: int | None = Field(None, ge=0, description="epochs of a method's multi-step stage at the "
-                                         "end of the run (HiViS stage 2); None: the method's default")
-
-
-def stage_schedule(method: TrainingMethod, cfg: TrainConfig) -> StageSchedule:
-    text = method.default_text_epochs(cfg.epochs) if cfg.text_epochs is None else cfg.text_epochs
-    return StageSchedule(epochs=cfg.epochs, text_epochs=text, gradual=cfg.gradual and not method.direct_stage2,
-                         mixed=method.mixes_text)
 
 
 @torch.inference_mode()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from mmspec_ray.drafters.layers import causal_pad_mask
 from mmspec_ray.drafters.vispec import ViSpecHead
 from mmspec_ray.training.losses import eagle_loss
 
@@ -16,8 +17,6 @@ def vispec_forward(head: ViSpecHead, emb: torch.Tensor, feat: torch.Tensor, vali
                    spans: list[list[tuple[int, int]]]) -> torch.Tensor:
     """emb, feat [B, T, d] (entry j: embedding of token j+1, feature f_j), valid [B, T], spans: each example's
     media entry ranges -> predicted features [B, T, d] at entry positions (zeros where no drafter row sits)."""
-    from mmspec_ray.training.methods import causal_pad_mask
-
     B, T, d = emb.shape
     seqs = [head.sequence(emb[b, :int(valid[b].sum())], feat[b, :int(valid[b].sum())], spans[b]) for b in range(B)]
     S = max(x.shape[0] for x, _, _ in seqs)

@@ -12,13 +12,13 @@ import torch
 from mmspec_ray.config import SamplingParams
 from mmspec_ray.drafters.base import Drafter
 from mmspec_ray.drafters.none import NoDrafter
-from mmspec_ray.spec.accept import accept
-from mmspec_ray.spec.calibrate import TreeCalibrator
-from mmspec_ray.spec.output import Generation, GenerationStats, OutputTracker
-from mmspec_ray.spec.processors import (HistoryProcessors, check_generation_config, effective_generation_config,
+from mmspec_ray.decoding.accept import accept
+from mmspec_ray.decoding.calibrate import TreeCalibrator
+from mmspec_ray.decoding.output import Generation, GenerationStats, OutputTracker
+from mmspec_ray.decoding.processors import (HistoryProcessors, check_generation_config, effective_generation_config,
                                         resolve_sampling)
-from mmspec_ray.spec.sampling import make_generator, pick
-from mmspec_ray.spec.tree import DraftTree, TreeConfig
+from mmspec_ray.decoding.sampling import make_generator, pick
+from mmspec_ray.decoding.tree import DraftTree, TreeConfig
 from mmspec_ray.targets.base import Request, VLMTarget
 
 
@@ -36,10 +36,10 @@ class SpecEngine:
                  tie_margin: float | None = None) -> None:
         self.target = target
         self.drafter = drafter
-        # a TreeCalibrator: decode with its probe tree until it has picked one (spec/calibrate.py)
+        # a TreeCalibrator: decode with its probe tree until it has picked one (decoding/calibrate.py)
         self.calibrator = tree if isinstance(tree, TreeCalibrator) else None
         self.tree = self.calibrator.probe if self.calibrator else (tree or TreeConfig())
-        # greedy near-ties left to a one-token forward (spec/accept.py); None: by the target's dtype
+        # greedy near-ties left to a one-token forward (decoding/accept.py); None: by the target's dtype
         self.tie_margin = TIE_MARGIN.get(target.dtype, 0.0) if tie_margin is None else tie_margin
         check_generation_config(effective_generation_config(target.model))
 

@@ -1,11 +1,11 @@
 #!/usr/bin/env python
-"""How well tree calibration predicts what each tree does (spec/calibrate.py): calibrates a drafter on a toy
+"""How well tree calibration predicts what each tree does (decoding/calibrate.py): calibrates a drafter on a toy
 target over the bench's prompts (greedy, a fresh calibration cache), keeping each probe record's request and cycle,
 then decodes the same prompts with each fixed tree and prints, per tree, the tokens per forward the records predict
 against the ones decoding gives (exact at T = 0: no timing in it), and the draft time per cycle the pick charges
 against the one measured while decoding.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/calibration_accuracy.py --target toy-m \\
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/calibration_accuracy.py --target toy-m \\
         --drafter ~/.cache/mmspec/shared-drafters/toy-m-eagle2-n200 [--fixed-phase]    # docs/engine.md
 
 `--fixed-phase` probes every request from its first cycle, as calibration did before the phase rotated.
@@ -23,9 +23,9 @@ os.environ["MMSPEC_CALIBRATION_DIR"] = tempfile.mkdtemp(prefix="calibration-accu
 from mmspec_ray.bench.workloads import toy_workload  # noqa: E402
 from mmspec_ray.config import SamplingParams  # noqa: E402
 from mmspec_ray.drafters.base import load_drafter  # noqa: E402
-from mmspec_ray.spec import calibrate  # noqa: E402
-from mmspec_ray.spec.engine import SpecEngine  # noqa: E402
-from mmspec_ray.spec.tree import TreeConfig  # noqa: E402
+from mmspec_ray.decoding import calibrate  # noqa: E402
+from mmspec_ray.decoding.engine import SpecEngine  # noqa: E402
+from mmspec_ray.decoding.tree import TreeConfig  # noqa: E402
 from mmspec_ray.targets.registry import load_target  # noqa: E402
 from mmspec_ray.toy.build import build_toy  # noqa: E402
 

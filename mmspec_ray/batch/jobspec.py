@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mmspec_ray.config import MediaLimits, S3Config, SamplingParams
-from mmspec_ray.spec.tree import TreeConfig
+from mmspec_ray.media.errors import TRANSIENT_KINDS, MediaErrorKind
+from mmspec_ray.decoding.tree import TreeConfig
 
 # The default drafter of the batch jobs, Serve and `mmspec generate`: the drafter measured fastest on the target
 # where one ships (a toy world's, trained on first use: toy/drafter.py SHIPPED), else ngram (resolve_auto_drafter).
@@ -26,6 +27,12 @@ DEFAULT_SPLIT = "test"
 
 CAPTION_PROMPT = "Describe what happens in the video."
 
+
+# Error kinds a re-run of the job decodes again by itself (the media store was unreachable, not the row wrong).
+RETRYABLE_KINDS = tuple(f"media.{k}" for k in TRANSIENT_KINDS)
+# Every `error_kind` a row can get (what --retry-errors accepts).
+ERROR_KINDS = frozenset({"null_field", "missing_field", "invalid", "too_long", "target", "internal", "crash"} |
+                        {f"media.{k}" for k in get_args(MediaErrorKind)})
 
 class MediaSpec(BaseModel):
     """How a row's media becomes model input."""
@@ -62,7 +69,7 @@ class DecodeConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     tree: TreeConfig | Literal["auto"] = Field("auto", description=(
         "draft tree (top_k, depth, total_tokens), or auto: calibrated on this machine for this target and drafter "
-        "while the first rows decode, then cached (spec/calibrate.py)"))
+        "while the first rows decode, then cached (decoding/calibrate.py)"))
     tie_margin: float | None = Field(None, ge=0.0, description=(
         "half precision: relative top-2 logit gap under which a greedy token is re-decided by a one-token forward "
         "(None: the engine's per-dtype default; 0: off; docs/engine.md, Precision)"))
@@ -129,8 +136,6 @@ class JobSpec(BaseModel):
     @field_validator("retry_errors")
     @classmethod
     def _known_kinds(cls, kinds: tuple[str, ...]) -> tuple[str, ...]:
-        from mmspec_ray.batch.rows import ERROR_KINDS
-
         unknown = [k for k in kinds if k not in ERROR_KINDS]
         if unknown:
             raise ValueError(f"unknown error kind(s) {unknown}; known: {sorted(ERROR_KINDS)}")

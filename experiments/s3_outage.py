@@ -2,8 +2,8 @@
 proxy that breaks every connection for `--outage` seconds, starting `--at` seconds after the job's first S3 read. Prints, for the run
 and for a re-run, the rows answered, the errors by kind and the rows decoded; writes JSON.
 
-    .venv/bin/python scripts/s3_outage.py --rows 40 --at 1 --outage 8
-    .venv/bin/python scripts/s3_outage.py --rows 40 --at 1 --outage 30 --retries 2   # past the retries: re-run
+    .venv/bin/python experiments/s3_outage.py --rows 40 --at 1 --outage 8
+    .venv/bin/python experiments/s3_outage.py --rows 40 --at 1 --outage 30 --retries 2   # past the retries: re-run
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@
   eagle2-data-no-filter
                eagle2 on no-filter's data (every multimodal prompt + the text-only pool, mixed): no-filter's baseline
 
-    OMP_NUM_THREADS=1 python scripts/hivis_ablation.py media-only --target toy-m --examples 200 --out DIR
-    OMP_NUM_THREADS=1 python scripts/hivis_ablation.py eagle2-data --target toy-m --examples 200 --out DIR
+    OMP_NUM_THREADS=1 python experiments/hivis_ablation.py media-only --target toy-m --examples 200 --out DIR
+    OMP_NUM_THREADS=1 python experiments/hivis_ablation.py eagle2-data --target toy-m --examples 200 --out DIR
 
 `--epochs N` (default: the recipe's) and `--multistep-epochs M` (hivis modes; default 0, stage 1 only) resume a
 finished run in DIR to N epochs, as `mmspec train-drafter` does: eagle2-data at 11 epochs matches the budget of

@@ -4,7 +4,7 @@ on held-out toy prompts, the target in bfloat16. `--drafter random` (default): a
 wide trees make every cycle a multi-node forward (the near-tie share is the target's, whatever the drafter
 guesses); `--drafter eagle2`: the toy world's trained drafter (trained on first use).
 
-    MMSPEC_HOME=... python scripts/tie_guard_cost.py --target toy-s --prompts 24 --max-new-tokens 64
+    MMSPEC_HOME=... python experiments/tie_guard_cost.py --target toy-s --prompts 24 --max-new-tokens 64
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 
 from mmspec_ray.drafters.base import load_drafter
 from mmspec_ray.drafters.eagle import Eagle2Drafter
-from mmspec_ray.spec.engine import AREngine, SpecEngine
-from mmspec_ray.spec.tree import TreeConfig
+from mmspec_ray.decoding.engine import AREngine, SpecEngine
+from mmspec_ray.decoding.tree import TreeConfig
 from mmspec_ray.targets import load_target
 from mmspec_ray.toy.build import build_toy
 from mmspec_ray.toy.drafter import build_toy_drafter

@@ -3,7 +3,7 @@ a drafter loses the image as a long answer goes on ("lost in the middle"), which
 decodes the bench's long-answer prompts greedily with each drafter and buckets every cycle by the answer position
 it starts at.
 
-    OMP_NUM_THREADS=1 python scripts/vispec_position.py --drafter eagle2=DIR,vispec=DIR --out docs/bench/X.json
+    OMP_NUM_THREADS=1 python experiments/vispec_position.py --drafter eagle2=DIR,vispec=DIR --out docs/bench/X.json
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 
 from mmspec_ray.drafters.base import load_drafter
-from mmspec_ray.spec.engine import SpecEngine
-from mmspec_ray.spec.tree import TreeConfig
+from mmspec_ray.decoding.engine import SpecEngine
+from mmspec_ray.decoding.tree import TreeConfig
 from mmspec_ray.targets import load_target
 from mmspec_ray.toy.build import build_toy
 from mmspec_ray.toy.prompts import toy_requests
@@ -52,7 +52,7 @@ def main() -> None:
         out[label] = {f"{s}-": {"accepted_per_cycle": v[0] / max(1, v[1]), "cycles": v[1]} for s, v in acc.items()}
         print(label, {k: round(v["accepted_per_cycle"], 2) for k, v in out[label].items()}, flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"command": "python scripts/vispec_position.py " + " ".join(
+    Path(a.out).write_text(json.dumps({"command": "python experiments/vispec_position.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()), "tree": tree.model_dump(), "buckets": out},
         indent=2))
 

@@ -4,7 +4,7 @@ the build's own schedule on the built world's data and target (its trained weigh
 the build's), split into collate / the frozen vision tower / forward / backward / optimizer, then a torch profile
 of a few more steps by operator. Why the README's first run is bound by this training (docs/toy.md, "Build time").
 
-    .venv/bin/python scripts/toy_train_profile.py [--size toy-s] [--steps 40]
+    .venv/bin/python experiments/toy_train_profile.py [--size toy-s] [--steps 40]
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ trains eagle2 drafters for a toy target from its train-split requests, over seed
 length-bucketing span) cell, and prints the held-out τ table. A cell whose drafter already exists is read back,
 not retrained, so the table can be re-printed.
 
-    python scripts/train_parity.py --target toy-s --out /tmp/cmp --seeds 0 1 2 3
+    python experiments/train_parity.py --target toy-s --out /tmp/cmp --seeds 0 1 2 3
 """
 
 from __future__ import annotations

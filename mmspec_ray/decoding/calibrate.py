@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel
 
-from mmspec_ray.spec.tree import DraftTree, TreeConfig, depths
+from mmspec_ray.decoding.tree import DraftTree, TreeConfig, depths
 
 log = logging.getLogger(__name__)
 

@@ -3,10 +3,10 @@ vispec itself, its ablations (n_c compressed tokens per image / frame, MTP passe
 (the same text-only stage 1 and long, sampled stage-2 answers, the same epochs: DRAFTERS.md §4's same data and
 budget).
 
-    OMP_NUM_THREADS=1 python scripts/vispec_ablation.py vispec --out DIR                  # n_c 1, 1 MTP pass
-    OMP_NUM_THREADS=1 python scripts/vispec_ablation.py vispec --compressed 4 --out DIR   # Table 2's sweep
-    OMP_NUM_THREADS=1 python scripts/vispec_ablation.py vispec --mtp-steps 0 --out DIR    # without MTP
-    OMP_NUM_THREADS=1 python scripts/vispec_ablation.py eagle2 --out DIR                  # eagle2, vispec's data
+    OMP_NUM_THREADS=1 python experiments/vispec_ablation.py vispec --out DIR                  # n_c 1, 1 MTP pass
+    OMP_NUM_THREADS=1 python experiments/vispec_ablation.py vispec --compressed 4 --out DIR   # Table 2's sweep
+    OMP_NUM_THREADS=1 python experiments/vispec_ablation.py vispec --mtp-steps 0 --out DIR    # without MTP
+    OMP_NUM_THREADS=1 python experiments/vispec_ablation.py eagle2 --out DIR                  # eagle2, vispec's data
 
 Defaults: toy-m, the 200 prompts eagle2's baseline was trained on (rewritten at length, answered at T 1) + 200
 text-only prompts, 12 epochs of which 4 text-only (stage 1), no held-out τ per epoch (`--heldout N` to measure it).

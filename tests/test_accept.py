@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-import mmspec_ray.spec.accept as accept_mod
+import mmspec_ray.decoding.accept as accept_mod
 from mmspec_ray.config import SamplingParams
-from mmspec_ray.spec.accept import accept, accept_greedy
-from mmspec_ray.spec.sampling import warp
-from mmspec_ray.spec.tree import DraftTree, depths
+from mmspec_ray.decoding.accept import accept, accept_greedy
+from mmspec_ray.decoding.sampling import warp
+from mmspec_ray.decoding.tree import DraftTree, depths
 
 V = 6
 N_TOKENS = 3
@@ -66,7 +66,7 @@ def node_logits(tree: DraftTree, emitted: tuple[int, ...]) -> torch.Tensor:
 
 def run(params: SamplingParams, rng: np.random.Generator, gen: torch.Generator) -> tuple[int, ...]:
     """Speculative loop on the fake target until N_TOKENS are emitted. The first token comes from the target."""
-    from mmspec_ray.spec.sampling import pick
+    from mmspec_ray.decoding.sampling import pick
 
     emitted = (pick(fake_logits(()), params, gen),)
     while len(emitted) < N_TOKENS:

@@ -3,7 +3,7 @@
 times colour conversion (swscale) and decoding on the toy world's 96 px clips, threaded against one thread, checks
 that both give the same bytes, and re-encodes clips to compare with the world's files.
 
-    .venv/bin/python scripts/media_thread_costs.py [--clips 200]     # docs/toy.md, "Build time"
+    .venv/bin/python experiments/media_thread_costs.py [--clips 200]     # docs/toy.md, "Build time"
 """
 
 from __future__ import annotations

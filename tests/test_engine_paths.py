@@ -13,11 +13,11 @@ from torch.overrides import TorchFunctionMode
 from mmspec_ray.config import SamplingParams
 from mmspec_ray.drafters.eagle import Eagle2Drafter
 from mmspec_ray.drafters.oracle import OracleDrafter
-from mmspec_ray.spec.engine import AREngine, SpecEngine
-from mmspec_ray.spec.sampling import warp
-from mmspec_ray.spec.tree import DraftTree, TreeConfig, grow_dynamic_tree
+from mmspec_ray.decoding.engine import AREngine, SpecEngine
+from mmspec_ray.decoding.sampling import warp
+from mmspec_ray.decoding.tree import DraftTree, TreeConfig, grow_dynamic_tree
 from mmspec_ray.targets import PromptTooLong, Request, load_target, wrap
-from test_spec_accept import chi2_critical, chi2_stat
+from test_accept import chi2_critical, chi2_stat
 from tiny import let_eos_win_where, random_images, tiny_llava
 
 REQ = Request(prompt="describe the image", images=tuple(random_images(1, seed=11)))

@@ -3,7 +3,7 @@ C/N in {1, 1/4, 1/9, 1/16, 0}, each trained through the shared trainer on the wo
 features (the same examples for every ratio), written to OUT/cn-<label>. Compare them afterwards in one
 interleaved run:
 
-    .venv/bin/python scripts/specflash_sweep.py --target toy-s --examples 400 --epochs 4 --out /tmp/sf-sweep
+    .venv/bin/python experiments/specflash_sweep.py --target toy-s --examples 400 --epochs 4 --out /tmp/sf-sweep
     .venv/bin/mmspec bench --target toy-s --drafter cn1=/tmp/sf-sweep/cn-1,cn4=/tmp/sf-sweep/cn-1_4,... \\
         --tasks video_caption,video_detail
 """

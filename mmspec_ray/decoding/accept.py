@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from mmspec_ray.config import SamplingParams
-from mmspec_ray.spec.sampling import sample, uniform, warp
-from mmspec_ray.spec.tree import DraftTree
+from mmspec_ray.decoding.sampling import sample, uniform, warp
+from mmspec_ray.decoding.tree import DraftTree
 
 
 def accept_greedy(tree: DraftTree, logits: torch.Tensor, tie_margin: float = 0.0) -> tuple[list[int], int | None]:

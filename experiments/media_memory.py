@@ -3,7 +3,7 @@ actor that receives the prepared request. Each measurement runs in a fresh proce
 
 Inputs (made here): a 7,990 x 7,990 PNG (~0.2 MB of file) and a 1,200-frame 1280 x 720 MKV with no frame count in
 its container. Usage (writes JSON + a markdown table):
-    .venv/bin/python scripts/media_memory.py --target /path/to/checkpoint --out out/media_memory
+    .venv/bin/python experiments/media_memory.py --target /path/to/checkpoint --out out/media_memory
 `--image-side none` measures with scaling off (what the pipeline did before it scaled huge media down).
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 STAGE = r"""
 import json, pickle, resource, sys
 from mmspec_ray.batch.rows import prepare_row
-from mmspec_ray.batch.spec import DecodeConfig
+from mmspec_ray.batch.jobspec import DecodeConfig
 try:
     from mmspec_ray.batch.rows import resolve_image_side
 except ImportError:  # a checkout from before media scaling existed

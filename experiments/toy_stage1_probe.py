@@ -5,7 +5,7 @@ on object cells (colour, shape, size), the share of scenes whose every object's 
 shape accuracy: 0.95 here went with 0.950 in the gate), and the clip-action head's accuracy, overall and per
 action. ~2-3 minutes per 800 steps at 1 thread instead of ~15-20 for a build + gate.
 
-Usage: python scripts/toy_stage1_probe.py WORLD_DIR '{"vision_steps": 800, "vision_loss_weights": [1, 6, 2, 1]}'
+Usage: python experiments/toy_stage1_probe.py WORLD_DIR '{"vision_steps": 800, "vision_loss_weights": [1, 6, 2, 1]}'
   [--seed 0] [--threads 1]   (WORLD_DIR: a built toy-s world, e.g. ~/.cache/mmspec/toy/toy-s-seed0-v5)
 """
 

@@ -1,6 +1,6 @@
 """One toy-recipe experiment: build a toy-s variant (ToySize fields overridden) in a scratch folder, then gate it.
 
-Usage: python scripts/toy_experiment.py OUT_DIR '{"vision_steps": 1600, "epochs": 3.0}' [--threads 1] [--seed 0]
+Usage: python experiments/toy_experiment.py OUT_DIR '{"vision_steps": 1600, "epochs": 3.0}' [--threads 1] [--seed 0]
 Prints the build timings and the gate table (docs/toy.md, "Recipe experiments"). Not cached under $MMSPEC_HOME.
 """
 

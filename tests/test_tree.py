@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from mmspec_ray.spec.tree import DraftTree, TreeConfig, ancestor_mask, depths, grow_dynamic_tree
+from mmspec_ray.decoding.tree import DraftTree, TreeConfig, ancestor_mask, depths, grow_dynamic_tree
 
 
 def random_step(vocab: int, seed: int):
@@ -93,7 +93,7 @@ def test_truncate_keeps_the_shallow_subtree_in_order():
 
 def test_grow_ancestors_marks_each_new_node_with_its_ancestors_and_itself():
     """Root's children a, b; then c under a, d under b, e under a; then f under c: f attends to a, c and itself."""
-    from mmspec_ray.spec.tree import grow_ancestors
+    from mmspec_ray.decoding.tree import grow_ancestors
 
     anc = torch.zeros((0, 0), dtype=torch.bool)
     for parents in ([-1, -1], [0, 1, 0], [2]):

@@ -1,0 +1,1 @@
+"""mmspec_ray.decoding"""

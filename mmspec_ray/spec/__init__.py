@@ -1,1 +1,0 @@
-"""mmspec_ray.spec"""
