@@ -1,6 +1,6 @@
 """ViSpec runs on a toy world (docs/drafters/vispec.md), through the one shared trainer and `train_drafter_on_world`:
 vispec itself, its ablations (n_c compressed tokens per image / frame, MTP passes), and eagle2 on vispec's data
-(the same text-only stage 1 and long, sampled stage-2 answers, the same epochs: DRAFTERS.md §4's same data and
+(the same text-only stage 1 and long, sampled stage-2 answers, the same epochs: the comparison at the same data and
 budget).
 
     OMP_NUM_THREADS=1 python experiments/vispec_ablation.py vispec --out DIR                  # n_c 1, 1 MTP pass

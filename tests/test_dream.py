@@ -1,4 +1,4 @@
-"""DREAM (issue 16): the target's attention probe matches eager attention on every family; visual token compression
+"""DREAM: the target's attention probe matches eager attention on every family; visual token compression
 keeps exactly the configured share of visual tokens, the most-attended ones; entropy-adaptive layer selection picks
 the lowest-entropy layer; the cross-attention respects the tree; training lowers the loss and resumes; a briefly
 trained DREAM drafter stays lossless on every family and request, and its samples follow the target's distribution."""

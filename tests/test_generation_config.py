@@ -1,4 +1,4 @@
-"""The checkpoint's generation config is obeyed as HF generate obeys it (issue 25 item 1): every family's tiny
+"""The checkpoint's generation config is obeyed as HF generate obeys it: every family's tiny
 checkpoint, saved with a generation_config.json carrying a repetition penalty, custom eos ids and sampling defaults,
 decodes greedy token for token as HF generate; the sampling distribution stays the target's with a penalty on;
 settings that cannot be applied losslessly are refused, naming the setting."""

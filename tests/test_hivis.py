@@ -1,4 +1,4 @@
-"""HiViS (issue 19): no visual-token embedding ever enters the drafter (its prefill is the prompt's text, with
+"""HiViS: no visual-token embedding ever enters the drafter (its prefill is the prompt's text, with
 images and with video, on every family); tree nodes carry their level's sequential embedding; the parallel
 multi-step training forward equals drafting chains step by step; dynamic data selection cuts a chain after a miss;
 the mixed schedule, the answer filter and the stage switch; training lowers the loss, resumes across the stage

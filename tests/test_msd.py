@@ -1,4 +1,4 @@
-"""MSD (issue 18): media entries take the target's projected embeddings untouched and text entries the fused input,
+"""MSD: media entries take the target's projected embeddings untouched and text entries the fused input,
 at every image/video boundary of every family; the two-stage schedule gives the spec's proportions; training
 lowers the loss and resumes; a briefly trained MSD drafter stays lossless on every family and every request."""
 
@@ -58,7 +58,8 @@ def test_media_entries_take_the_projected_embeddings_untouched(family, request_n
         raw = emb[1:][visual[:-1]]
         assert torch.equal(x[visual], rms_normalise(raw) if media_norm else raw)  # bit for bit: no fc, no feature
         if media_norm:
-            torch.testing.assert_close(x[visual].pow(2).mean(-1), torch.ones(int(visual.sum())))
+            ms = x[visual].pow(2).mean(-1)  # unit mean square, to float32 rounding of rows ~200x the text's size
+            torch.testing.assert_close(ms, torch.ones_like(ms), rtol=1e-3, atol=0)
     nxt = torch.cat([emb[1:], target.embed_tokens(torch.tensor([5]))], 0)
     with torch.no_grad():
         fused = drafter.head.fc(torch.cat([nxt, hid], -1))

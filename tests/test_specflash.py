@@ -1,4 +1,4 @@
-"""SpecFLASH (issue 20): C learnable queries attention-pool each image / video frame of every family; one drafter
+"""SpecFLASH: C learnable queries attention-pool each image / video frame of every family; one drafter
 forward drafts K tokens (slot j predicts token x_{n+2+j}); training's placeholder expansion computes exactly what
 inference drafts; training lowers the loss and resumes; a briefly trained drafter, chain or tree, stays lossless
 greedy on every family and in distribution when sampling."""

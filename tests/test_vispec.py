@@ -1,4 +1,4 @@
-"""ViSpec (issue 17): the vision adaptor compresses every image / frame of every family into n_c tokens at the
+"""ViSpec: the vision adaptor compresses every image / frame of every family into n_c tokens at the
 piece's last position ids (text keeps its own), the global feature reaches every later text entry and stops at
 the next image (a clip's frames pool theirs), training computes what inference drafts, loss falls and resumes,
 MTP runs in stage 2 only, and a briefly trained drafter stays lossless on one image, several images and video

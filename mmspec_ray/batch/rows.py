@@ -1,6 +1,6 @@
 """Row format: input columns -> a `Request` (with decoded media), and the output columns every row gets.
 
-Input (DESIGN §4): `id`, `prompt` (or `messages`), media as `image` (bytes) / `image_uri` / `video` (bytes) /
+Input (docs/batch.md): `id`, `prompt` (or `messages`), media as `image` (bytes) / `image_uri` / `video` (bytes) /
 `video_uri` (s3:// or local). A media cell may also hold a list (several images or clips). Anything wrong with one
 row raises `RowError` naming the field; the pipeline turns it into that row's `error` and goes on.
 """
