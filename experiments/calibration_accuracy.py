@@ -6,7 +6,7 @@ against the ones decoding gives (exact at T = 0: no timing in it), and the draft
 against the one measured while decoding.
 
     OMP_NUM_THREADS=1 .venv/bin/python experiments/calibration_accuracy.py --target toy-m \\
-        --drafter ~/.cache/mmspec/shared-drafters/toy-m-eagle2-n200 [--fixed-phase]    # docs/engine.md
+        --drafter ~/.cache/mmspec/shared-drafters/toy-m-eagle2-n200 [--fixed-phase]    # docs/design.md
 
 `--fixed-phase` probes every request from its first cycle, as calibration did before the phase rotated.
 """

@@ -1,4 +1,4 @@
-"""What the half-precision tie guard costs on a trained target (docs/engine.md, Precision): for each tie margin, the
+"""What the half-precision tie guard costs on a trained target (docs/design.md, Precision): for each tie margin, the
 share of verify cycles that end at a near-tie, tokens per target forward, and how many greedy answers equal AR's,
 on held-out toy prompts, the target in bfloat16. `--drafter random` (default): an untrained EAGLE-2 drafter, whose
 wide trees make every cycle a multi-node forward (the near-tie share is the target's, whatever the drafter

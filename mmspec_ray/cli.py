@@ -308,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="1 disables; default: the checkpoint's generation config")
     gen.add_argument("--tie-margin", type=float, default=None,
                      help="bfloat16/float16: relative top-2 logit gap under which a greedy token is re-decided by a "
-                     "one-token forward (default: per dtype; 0: off; docs/engine.md, Precision)")
+                     "one-token forward (default: per dtype; 0: off; docs/design.md, Precision)")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--drafter", default="auto",
                      help="auto (the default: the toy world's shipped drafter, the one measured fastest there, trained "
@@ -323,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                      help="the target's dtype; auto: bfloat16 on cuda, float32 on CPU (this command runs on CPU), "
                      "as the batch job; only float32 gives HF generate's greedy output token for token "
-                     "(docs/engine.md, Precision)")
+                     "(docs/design.md, Precision)")
     gen.set_defaults(fn=cmd_generate)
 
     td = sub.add_parser("train-drafter", help="generate target-answered features and train a drafter")

@@ -148,7 +148,7 @@ def test_the_engine_stays_lossless_while_it_calibrates_and_caches_its_pick(tmp_p
 
 def test_each_request_probes_at_another_phase_so_answer_starts_are_not_over_sampled():
     """With a fixed phase every answer's first cycle was probed: on short toy answers those easy starts were 39 % of
-    the records and inflated the predicted tokens per forward (docs/engine.md, "Tree calibration")."""
+    the records and inflated the predicted tokens per forward (docs/design.md, "Tree calibration")."""
     cal = TreeCalibrator({"drafter": "phase-test"}, cycles=10 ** 6, per_request=10 ** 6, every=3)
     cal.costs = {1: 1.0, 2: 1.5}  # measured already: start_request needs no target
     probed = []

@@ -1,4 +1,4 @@
-"""`python -m mmspec_ray.bench.precision` (docs/engine.md, Precision): a small run writes its JSON and tables, and
+"""`python -m mmspec_ray.bench.precision` (docs/design.md, Precision): a small run writes its JSON and tables, and
 in float32 every pair of methods agrees token for token (the float32 identity the engine tests also enforce)."""
 
 from __future__ import annotations

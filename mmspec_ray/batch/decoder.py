@@ -132,7 +132,7 @@ class SpecDecoder:
 
     def _sample_ar(self, request: Request, row_id: Any, gen: Generation) -> None:
         """Decode the row again with plain AR decoding (the same engine loop, no drafter) and keep both timings;
-        at temperature 0 the answers must be equal (float32; docs/engine.md, Precision)."""
+        at temperature 0 the answers must be equal (float32; docs/design.md, Precision)."""
         cfg = self.config
         self.ar_left -= 1
         try:

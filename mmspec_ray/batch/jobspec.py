@@ -72,7 +72,7 @@ class DecodeConfig(BaseModel):
         "while the first rows decode, then cached (decoding/calibrate.py)"))
     tie_margin: float | None = Field(None, ge=0.0, description=(
         "half precision: relative top-2 logit gap under which a greedy token is re-decided by a one-token forward "
-        "(None: the engine's per-dtype default; 0: off; docs/engine.md, Precision)"))
+        "(None: the engine's per-dtype default; 0: off; docs/design.md, Precision)"))
     temperature: float = Field(0.0, ge=0.0, description="0: greedy (the default: one deterministic answer per row)")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="None: the checkpoint's generation config")
     top_k: int | None = Field(None, ge=0, description="None: the checkpoint's generation config (HF's default 50)")

@@ -117,7 +117,7 @@ def claim(loc: Location, settings: dict[str, Any], input_uri: str, overwrite: bo
 
 def settings_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """`key: old -> new` for every setting that differs and can change the output text. The drafter, tree and
-    sampling knobs cannot at temperature 0 in float32; in half precision a drafter can (docs/engine.md, Precision)."""
+    sampling knobs cannot at temperature 0 in float32; in half precision a drafter can (docs/design.md, Precision)."""
     greedy = (old.get("temperature", 0.0) == 0.0 and new.get("temperature", 0.0) == 0.0
               and old.get("dtype", "float32") == new.get("dtype", "float32") == "float32")
     out = []

@@ -3,7 +3,7 @@ forward of n tokens costs and how many tokens the drafter gets accepted, then pi
 per second.
 
 Why: a verify forward of n tokens is almost free on a big GPU and costs 2-3x a one-token step on a CPU, so no fixed
-tree is right everywhere (docs/engine.md, "Tree calibration"; measured in docs/benchmarks.md).
+tree is right everywhere (docs/design.md, "Tree calibration"; measured in docs/benchmarks.md).
 
 How, without decoding work of its own: while calibrating, the engine decodes one cycle in `PROBE_EVERY` with a
 large probe tree and records the proposed tree and the accepted path. The tree EAGLE-2 growth would build with a
@@ -101,7 +101,7 @@ def interpolate(costs: dict[int, float], n: int) -> float:
     """Verify seconds for n tokens: the cost of the smallest measured size >= n (beyond the largest, in proportion
     to it). Not linear between sizes: on a CPU the cost rises in steps (matrix kernels work on blocks of rows), and
     on toy-m a 5-token verify cost what an 8-token one does (82.8 against 83.9 ms; 4 tokens: 72.5 ms), so a 5-token
-    tree priced between 4 and 8 was picked for a speed it did not have (docs/engine.md, "Tree calibration"). Where
+    tree priced between 4 and 8 was picked for a speed it did not have (docs/design.md, "Tree calibration"). Where
     the cost grows smoothly, sizes between the measured ones are overcharged and picks land on measured sizes."""
     xs = sorted(costs)
     for x in xs:

@@ -23,7 +23,7 @@ from mmspec_ray.targets.base import Request, VLMTarget
 
 
 # relative top-2 logit gap below which a greedy decision from a multi-node forward is re-made by a one-token
-# forward: a few rounding steps of the dtype (docs/engine.md, Precision: `python -m mmspec_ray.bench.precision
+# forward: a few rounding steps of the dtype (docs/design.md, Precision: `python -m mmspec_ray.bench.precision
 # --tie-margin M` measured 2^-7, 2^-5, 2^-3). Float32 is exact without it.
 TIE_MARGIN = {torch.bfloat16: 2.0 ** -5, torch.float16: 2.0 ** -7}
 

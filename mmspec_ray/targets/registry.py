@@ -29,7 +29,7 @@ def resolve_device_name(device: str | torch.device) -> str | torch.device:
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device = "cpu") -> torch.dtype:
     """The torch dtype a target is loaded in: a name in DTYPE_NAMES or a torch dtype; "auto" (or None) means
     bfloat16 on cuda and float32 elsewhere. Only float32 gives HF generate's greedy output token for token in
-    every case (docs/engine.md, "Precision")."""
+    every case (docs/design.md, "Precision")."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None or dtype == "auto":
