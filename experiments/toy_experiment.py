@@ -1,7 +1,7 @@
 """One toy-recipe experiment: build a toy-s variant (ToySize fields overridden) in a scratch folder, then gate it.
 
 Usage: python experiments/toy_experiment.py OUT_DIR '{"vision_steps": 1600, "epochs": 3.0}' [--threads 1] [--seed 0]
-Prints the build timings and the gate table (docs/toy.md, "Recipe experiments"). Not cached under $MMSPEC_HOME.
+Prints the build timings and the gate table (docs/history/toy.md, "Recipe experiments"). Not cached under $MMSPEC_HOME.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 # would pull a multi-GB CUDA build). On a GPU machine, set TORCH_INDEX_URL to the PyTorch wheel index of your CUDA
 # (e.g. https://download.pytorch.org/whl/cu128), or install your CUDA torch into .venv before running this.
 # The rest is installed by uv (parallel downloads and bytecode compilation: 65-77 s for the whole script against
-# 120-143 s with pip on 2 cores, docs/benchmarks.md "The first run, faster"), by pip where uv cannot be had or fails
+# 120-143 s with pip on 2 cores, docs/history/benchmarks.md "The first run, faster"), by pip where uv cannot be had or fails
 # (MMSPEC_NO_UV=1 forces pip).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -14,7 +14,7 @@ from its request kinds (text, one or two images, a video where the family takes 
 tiny vocabulary and random images; the same requests and models are used for every dtype.
 
 `nice python -m mmspec_ray.bench.precision` writes `precision.json` + `precision.md` under `--out`
-(docs/engine.md, "Precision", records its output).
+(docs/design.md, "Precision and the tie guard", records its output).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def answers(target, request, max_new_tokens: int, drafter_seed: int,
 def float32_head(target) -> None:
     """The `--float32-head` experiment: `target`'s prefill and verify logits recomputed as lm_head in float32 from
     the post-norm hidden state (HF computes them in the model's dtype, rounding every logit to it). Not what the
-    engine does (docs/engine.md, Precision, says why)."""
+    engine does (docs/design.md, "Precision and the tie guard", says why)."""
     head = target.model.get_output_embeddings()
     w, b = head.weight.float(), None if head.bias is None else head.bias.float()
     cap = getattr(target, "logit_softcap", None)  # Gemma3: None unless the model caps its logits

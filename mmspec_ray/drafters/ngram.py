@@ -1,10 +1,10 @@
 """Prompt lookup (training-free): find the latest earlier occurrence of the last n tokens and propose what followed.
 
 A proposal is worth verifying only when it is likely to be accepted: on a CPU a verify forward of 2-8 tokens costs
-~1.3x a one-token step (docs/toy.md, cost profile), so a guess must be accepted ~0.3 tokens on average to pay. A
-single-token match (`min_ngram` 1) is accepted far less on the toy workloads (docs/benchmarks.md, n-gram), so the
-default asks for a match of at least 2 tokens; with no such match the drafter proposes the root alone and the cycle
-is a plain AR step (the same one-token forward AREngine runs)."""
+1.5-1.7x a one-token step (docs/toy.md, "Cost profile"), so a guess must be accepted ~0.5 tokens on average to
+pay. A single-token match (`min_ngram` 1) is accepted far less on the toy workloads (docs/history/benchmarks.md,
+n-gram), so the default asks for a match of at least 2 tokens; with no such match the drafter proposes the root
+alone and the cycle is a plain AR step (the same one-token forward AREngine runs)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,61 @@
+"""The docs a user reads: every relative link in README.md and docs/ resolves, every page the README's documentation
+table names exists, and nothing in the project tells how it was made (issue or session numbers, files outside the
+repository)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+WORK_LOG = re.compile(r"\b((?i:issues? #?\d+|sessions? \d+|work period)|DRAFTERS\.md|DESIGN\.md)")
+
+
+def _links(page: Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)  # not inside code blocks
+    return [m.group(1) for m in LINK.finditer(text)]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(page):
+    broken = []
+    for link in _links(page):
+        if re.match(r"^[a-z]+:", link) or link.startswith("#"):
+            continue  # URLs and in-page anchors
+        path = link.split("#", 1)[0]
+        if path and not (page.parent / path).exists():
+            broken.append(link)
+    assert not broken, f"{page.relative_to(ROOT)}: links to missing files {broken}"
+
+
+def test_the_readme_names_a_page_for_each_user_question():
+    readme = (ROOT / "README.md").read_text()
+    for page in ("docs/your-checkpoint.md", "docs/getting-started.md", "docs/drafters.md", "docs/kubernetes.md",
+                 "docs/benchmarks.md", "docs/reference.md"):
+        assert f"]({page})" in readme, page
+        assert (ROOT / page).exists(), page
+
+
+def test_nothing_tells_how_the_project_was_made():
+    roots = ["README.md", "docs", "mmspec_ray", "jobs", "deployments", "k8s", "scripts", "experiments"]
+    found = []
+    for root in roots:
+        base = ROOT / root
+        files = [base] if base.is_file() else [f for f in base.rglob("*") if f.is_file()]
+        for f in files:
+            if f.suffix not in (".md", ".py", ".sh", ".yaml", ".yml") or "bench" in f.relative_to(ROOT).parts[:2]:
+                continue
+            for i, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
+                if WORK_LOG.search(line):
+                    found.append(f"{f.relative_to(ROOT)}:{i}: {line.strip()[:100]}")
+    assert not found, "\n".join(found)
+
+
+def test_the_work_log_pattern_catches_what_it_should():
+    assert WORK_LOG.search("as issue 23 asked") and WORK_LOG.search("Session 39 measured") and \
+        WORK_LOG.search("see DRAFTERS.md")
+    assert not WORK_LOG.search("docs/design.md and docs/drafters.md") and not WORK_LOG.search("start_new_session")
