@@ -146,6 +146,9 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
         from mmspec_ray.training.cli import run
 
         return run(a, resolve_target(a.target))
+    if a.method == "auto":
+        raise UsageError("--method auto picks a method from the data: give --data (a parquet of request rows; "
+                         "`mmspec toy requests` writes a toy world's)")
     if a.target in TOY_SIZES:
         from mmspec_ray.toy.drafter import build_toy_drafter, recipe_for, train_drafter_on_world
         from mmspec_ray.toy.build import build_toy
@@ -327,7 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(fn=cmd_generate)
 
     td = sub.add_parser("train-drafter", help="generate target-answered features and train a drafter")
-    td.add_argument("--method", default="eagle2", choices=list(TRAINED_METHODS))
+    td.add_argument("--method", default="eagle2", choices=["auto", *TRAINED_METHODS],
+                    help="auto (with --data): chosen from the data's video / image / text-only rows, "
+                    "--answer-temperature and --num-workers by the project's measurements; it prints why")
     td.add_argument("--target", default="toy-s",
                     help="toy-s / toy-m, or (with --data) a checkpoint directory or s3:// prefix")
     td.add_argument("--out", default=None, help="checkpoint directory (default: the toy world's drafters/METHOD)")

@@ -270,7 +270,7 @@ def test_job_spec_yaml_and_flags(tmp_path, ckpt):
     args = build_parser("instruct").parse_args(
         ["--config", str(tmp_path / "job.yaml"), "--temperature", "0.5", "--gpus-per-actor", "1", "--limit", "3",
          "--s3-endpoint", "http://127.0.0.1:9000", "--drafter", "none"])
-    spec, table = plan("instruct", args)
+    spec, table, _ = plan("instruct", args)
     assert table is None and spec.limit == 3 and spec.gpus_per_actor == 1
     d = spec.decode
     assert (d.temperature, d.max_new_tokens, d.drafter, d.media.require) == (0.5, 7, "none", "image")

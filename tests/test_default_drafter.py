@@ -85,12 +85,12 @@ def test_job_plan_decoder_and_generate_resolve_auto(micro_world, shipped_micro, 
     from mmspec_ray.batch.decoder import SpecDecoder
 
     out = str(micro_world.root / "drafters" / "eagle2")
-    spec, _ = plan("instruct", build_parser("instruct").parse_args(
+    spec, _, _ = plan("instruct", build_parser("instruct").parse_args(
         ["--target", str(micro_world.target), "--input", "/tmp/in.parquet"]))
     assert spec.decode.drafter == out and spec.output.endswith("instruct-toy-micro-eagle2")
-    spec, _ = plan("instruct", build_parser("instruct").parse_args(["--target", ckpt, "--input", "/tmp/in.parquet"]))
+    spec, _, _ = plan("instruct", build_parser("instruct").parse_args(["--target", ckpt, "--input", "/tmp/in.parquet"]))
     assert spec.decode.drafter == "ngram"
-    spec, _ = plan("instruct", build_parser("instruct").parse_args(
+    spec, _, _ = plan("instruct", build_parser("instruct").parse_args(
         ["--target", str(micro_world.target), "--input", "/tmp/in.parquet", "--drafter", "none"]))
     assert spec.decode.drafter == "none"
 

@@ -185,17 +185,31 @@ def test_train_drafter_for_a_saved_checkpoint_from_s3_on_ray_data_and_ray_train(
             assert engine.generate(req, max_new_tokens=16).token_ids == hf[0, inputs["input_ids"].shape[1]:].tolist()
 
 
-def test_cli_single_process_trainer_on_the_same_path(ray_cluster, ckpt, tmp_path, capsys):
-    """`mmspec train-drafter --target DIR --data PARQUET` (num-workers 0): the same datagen job, then the in-memory
-    trainer; local input and output; the printed summary is what was measured."""
+def test_cli_single_process_trainer_on_the_same_path(ray_cluster, ckpt, tmp_path, capsys, monkeypatch):
+    """As a new user: `--drafter auto` finds no drafter for the checkpoint and names the command that trains one on
+    the data; that command (`mmspec train-drafter --target DIR --data PARQUET --out ...`, num-workers 0: the same
+    datagen job, then the in-memory trainer; run here with a relative --out) trains a drafter that records the
+    checkpoint's identity, and auto then finds it. The printed summary is what was measured."""
     from mmspec_ray.cli import main
+    from mmspec_ray.targets.layout import checkpoint_identity
+    from mmspec_ray.toy.drafter import choose_drafter
 
+    monkeypatch.setenv("MMSPEC_HOME", str(tmp_path / "home"))
     rows = [{"id": f"r{i}", "prompt": "describe the image", "image": png(img), "image_uri": None}
             for i, img in enumerate(random_images(10, seed=3))]
-    pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), tmp_path / "req.parquet")
-    out = tmp_path / "drafter"
-    argv = ["train-drafter", "--target", ckpt, "--data", str(tmp_path / "req.parquet"), "--out", str(out),
-            "--heldout", "2", "--epochs", "2", "--batch-size", "4", "--max-new-tokens", "8", "--device", "cpu"]
+    data = str(tmp_path / "req.parquet")
+    pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), data)
+    before = choose_drafter("auto", ckpt, data=data)
+    assert before.spec == "ngram" and "train one on this data with: mmspec train-drafter" in before.why
+    command = before.why.split("train one on this data with: ")[1].split()
+    out = Path(command[command.index("--out") + 1])
+    assert out.parent == tmp_path / "home" / "drafters"
+    (tmp_path / "home").mkdir()
+    monkeypatch.chdir(tmp_path / "home")
+    relative = ["--out" if a == "--out" else str(out.relative_to(tmp_path / "home")) if a == str(out) else a
+                for a in command[1:]]
+    argv = relative + ["--heldout", "2", "--epochs", "2", "--batch-size", "4", "--max-new-tokens", "8",
+                       "--device", "cpu"]
     assert main(argv) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["trainer"] == "single-process" and summary["examples"] + summary["row_errors"] == 8
@@ -203,6 +217,9 @@ def test_cli_single_process_trainer_on_the_same_path(ray_cluster, ckpt, tmp_path
     assert saved["heldout_tau"] == summary["heldout_tau"] and [h["epoch"] for h in saved["history"]] == [1, 2]
     assert (out / "model.safetensors").exists() and not (out / "trainer_state.pt").exists()
     assert main(["train-drafter", "--target", ckpt, "--out", str(out)]) == 2  # a checkpoint needs --data
+    assert json.loads((out / "config.json").read_text())["target_id"] == checkpoint_identity(ckpt)
+    after = choose_drafter("auto", ckpt, data=data)
+    assert after.spec == str(out) and "eagle2 trained for this checkpoint" in after.why
 
 
 def test_streamed_epochs_cover_the_shards_and_keep_the_schedules_mixture():

@@ -79,7 +79,7 @@ def test_load_drafter_errors_are_clear(target, tmp_path):
     cfg = json.loads((tmp_path / "ok" / "config.json").read_text())
     cfg["hidden_size"] = 999
     (tmp_path / "ok" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="trained for hidden size 999 .* the target has 64"):
+    with pytest.raises(ValueError, match="trained for another target: .*hidden size / vocab 999 / .* vs 64 /"):
         load_drafter(str(tmp_path / "ok"), target)  # the config is checked before any weight is read
     cfg["hidden_size"] = target.hidden_size
     (tmp_path / "ok" / "config.json").write_text(json.dumps(cfg))

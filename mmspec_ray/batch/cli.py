@@ -34,13 +34,19 @@ def build_parser(job: str) -> argparse.ArgumentParser:
         a("--clip-root", help="folder (local or s3://) of <youtube_id>_<start:06d>_<end:06d>.mp4 clips for a CSV input")
     a("--output", help="output directory (local or s3://); re-running resumes; default under $MMSPEC_HOME/batch/")
     a("--target", help=f"checkpoint dir or s3:// prefix, or a toy world name (default {DEFAULT_TOY})")
-    a("--drafter", help='"auto" (the default: the toy world\'s shipped drafter, trained on first use; ngram for '
-      'other targets), "ngram", "none" or a drafter checkpoint dir')
+    a("--drafter", help='"auto" (the default: a toy world\'s shipped drafter; for a checkpoint the drafter trained '
+      'for it with the best recorded held-out tau in $MMSPEC_HOME/drafters and --drafter-dir, else ngram), "ngram", '
+      '"none" or a drafter checkpoint dir / s3:// prefix')
+    a("--drafter-dir", action="append", dest="drafter_dirs", help="a folder (local or s3://) of trained drafters "
+      "where auto also looks (repeatable)")
+    a("--dry-run", action="store_true", help="print the plan (after reading the input's schema and counting rows) "
+      "and exit without loading a model or writing anything")
     a("--toy", default=DEFAULT_TOY, help="toy world for the defaults (toy-s, toy-m)")
     a("--split", default=DEFAULT_SPLIT, help="toy world split for the default input")
     a("--num-actors", type=int)
     a("--min-actors", type=int, help="autoscale the pool between --min-actors and --num-actors")
-    a("--gpus-per-actor", type=float)
+    a("--gpus-per-actor", type=gpus_arg, help="auto (the default): one GPU per actor where the cluster has GPUs, "
+      "CPU where it has none; a fraction such as 0.5 packs several actors on one GPU")
     a("--cpus-per-actor", type=float)
     a("--max-new-tokens", type=int)
     a("--temperature", type=float)
@@ -75,6 +81,16 @@ def build_parser(job: str) -> argparse.ArgumentParser:
     return p
 
 
+def gpus_arg(value: str) -> float | str:
+    """--gpus-per-actor: auto or a number of GPUs (a fraction packs actors on one GPU)."""
+    if value == "auto":
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is neither auto nor a number of GPUs") from None
+
+
 def flag_overrides(a: argparse.Namespace) -> dict[str, Any]:
     """Flags the user gave, nested the way JobSpec is."""
     top = {k: getattr(a, k) for k in ("input", "output", "num_actors", "min_actors", "gpus_per_actor",
@@ -83,7 +99,8 @@ def flag_overrides(a: argparse.Namespace) -> dict[str, Any]:
     if a.retry_errors:
         top["retry_errors"] = [k.strip() for k in a.retry_errors.split(",") if k.strip()]
     dec = {k: getattr(a, k) for k in ("target", "drafter", "max_new_tokens", "temperature", "top_p", "top_k",
-                                      "min_p", "repetition_penalty", "seed", "device", "dtype", "speedup_sample")}
+                                      "min_p", "repetition_penalty", "seed", "device", "dtype", "speedup_sample",
+                                      "drafter_dirs")}
     dec["default_prompt"] = a.prompt
     media = {"num_frames": a.num_frames, "fps": a.fps}
     s3 = {}
@@ -122,8 +139,8 @@ def frames_default(target: str) -> int | None:
     return video_frames_for(target)
 
 
-def plan(job: str, a: argparse.Namespace) -> tuple[JobSpec, pa.Table | None]:
-    """The JobSpec and, for CSV or toy-world inputs, the rows built in memory."""
+def plan(job: str, a: argparse.Namespace) -> tuple[JobSpec, pa.Table | None, str | None]:
+    """The JobSpec, for CSV or toy-world inputs the rows built in memory, and why its drafter was chosen."""
     from mmspec_ray.batch.sources import kinetics_rows, toy_rows
     from mmspec_ray.toy.resolve import home, toy_world
 
@@ -135,10 +152,13 @@ def plan(job: str, a: argparse.Namespace) -> tuple[JobSpec, pa.Table | None]:
     data = merge(data, flag_overrides(a))
     dec = data.setdefault("decode", {})
     dec["target"] = resolve_target(dec.get("target") or a.toy)
-    if dec.get("drafter", DEFAULT_DRAFTER) == "auto":  # trained here, once, before any decoder starts
-        from mmspec_ray.toy.drafter import resolve_auto_drafter
+    why = None
+    if dec.get("drafter", DEFAULT_DRAFTER) == "auto":  # found (or a toy one trained) here, before any decoder starts
+        from mmspec_ray.toy.drafter import choose_drafter
 
-        dec["drafter"] = resolve_auto_drafter("auto", dec["target"])
+        s3 = S3Config.model_validate(dec["s3"]) if "s3" in dec else None
+        choice = choose_drafter("auto", dec["target"], tuple(dec.get("drafter_dirs") or ()), data.get("input"), s3)
+        dec["drafter"], why = choice.spec, choice.why
     media = dec.setdefault("media", {})
     media.setdefault("require", JOBS[job]["media"])
     if job == "caption_kinetics":
@@ -170,7 +190,7 @@ def plan(job: str, a: argparse.Namespace) -> tuple[JobSpec, pa.Table | None]:
             target_name = Path(dec["target"].rstrip("/")).parent.name
         drafter = Path(str(dec.get("drafter") or DEFAULT_DRAFTER).rstrip("/")).name
         data["output"] = str(home() / "batch" / f"{job}-{target_name}-{drafter}")
-    return JobSpec.model_validate(data), table
+    return JobSpec.model_validate(data), table, why
 
 
 def main(argv: list[str] | None, job: str) -> int:
@@ -185,9 +205,9 @@ def main(argv: list[str] | None, job: str) -> int:
     from mmspec_ray.batch.storage import JobInputError
 
     try:
-        spec, table = plan(job, a)
+        spec, table, why = plan(job, a)
         log.info("job spec:\n%s", spec.to_yaml())
-        summary = run_job(spec, table=table)
+        summary = run_job(spec, table=table, drafter_why=why, dry_run=a.dry_run)
     except JobInputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -196,6 +216,8 @@ def main(argv: list[str] | None, job: str) -> int:
         where = ".".join(str(x) for x in first["loc"])
         print(f"error: job setting {where}: {first['msg']} (got {first.get('input')!r})", file=sys.stderr)
         return 2
+    if a.dry_run:
+        return 0
     print(json.dumps(summary, indent=2, default=str))
     if not summary["complete"]:
         return 1

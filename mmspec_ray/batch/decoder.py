@@ -45,7 +45,8 @@ class SpecDecoder:
         if cfg.drafter == "auto":  # the batch jobs resolve it on the driver; Serve and direct use land here
             from mmspec_ray.toy.drafter import resolve_auto_drafter
 
-            cfg = cfg.model_copy(update={"drafter": resolve_auto_drafter(cfg.drafter, cfg.target)})
+            cfg = cfg.model_copy(update={"drafter": resolve_auto_drafter(cfg.drafter, cfg.target, cfg.drafter_dirs,
+                                                                         cfg.s3)})
         self.config = cfg = resolve_image_side(cfg)
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)

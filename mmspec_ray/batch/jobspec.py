@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -84,6 +84,9 @@ class DecodeConfig(BaseModel):
     default_prompt: str | None = Field(None, description="prompt for rows of an input that has no prompt column")
     media: MediaSpec = MediaSpec()
     s3: S3Config = Field(default_factory=S3Config.from_env)
+    drafter_dirs: tuple[str, ...] = Field((), description=(
+        "folders (local or s3://) where drafter auto also looks for drafters trained for this target, besides "
+        "$MMSPEC_HOME/drafters"))
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads per decoder (None: leave)")
     speedup_sample: int = Field(8, ge=0, description=(
         "per decoder, this many rows (once the tree is calibrated) are decoded a second time with plain AR decoding, "
@@ -118,7 +121,9 @@ class JobSpec(BaseModel):
     decode: DecodeConfig
     num_actors: int = Field(1, ge=1, description="most decoder actors (ActorPoolStrategy max_size)")
     min_actors: int | None = Field(None, ge=1, description="fewest decoder actors; None: num_actors (fixed pool)")
-    gpus_per_actor: float = Field(0.0, ge=0.0)
+    gpus_per_actor: Annotated[float, Field(ge=0.0)] | Literal["auto"] = Field("auto", description=(
+        "auto: one GPU per actor where the cluster has GPUs, none where it has none; a fraction packs several actors "
+        "on one GPU (the plan says how many and the memory each needs)"))
     cpus_per_actor: float = Field(1.0, gt=0.0, description="lowered automatically so reads keep a CPU")
     cpus_per_task: float = Field(0.5, gt=0.0, description="CPUs of each read / media-decode / write task")
     rows_per_block: int = Field(4, ge=1, description="rows per actor call: the unit of retry and of resume")

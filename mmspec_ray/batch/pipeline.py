@@ -26,26 +26,42 @@ from mmspec_ray.batch.cluster import check_gpus, connect_ray, plan_actor_cpus, r
 from mmspec_ray.batch.decoder import SpecDecoder
 from mmspec_ray.batch.output import OutputState, PartNames, claim, drop_rows
 from mmspec_ray.batch.output import scan as scan_output
+from mmspec_ray.batch.plan import check_gpu, format_plan, make_plan, probe_gpu, resolve_gpus
 from mmspec_ray.batch.progress import ProgressPrinter, ProgressTracker
 from mmspec_ray.batch.jobspec import RETRYABLE_KINDS, DecodeConfig, JobSpec
 from mmspec_ray.batch.rows import (IMAGE_FIELDS, INTERNAL_COLUMNS, OUTPUT_COLUMNS, VIDEO_FIELDS, prepare_row,
                                    resolve_image_side)
 from mmspec_ray.batch.stages import keep_ids, prepare_block
-from mmspec_ray.batch.storage import (SUMMARY_NAME, JobInputError, Location, check_disjoint, check_ids, locate,
-                                      parquet_files, scan_input, write_json)
+from mmspec_ray.batch.storage import (SUMMARY_NAME, JobInputError, Location, check_disjoint, check_ids, exists,
+                                      locate, parquet_files, scan_input, write_json)
 from mmspec_ray.batch.summary import SUMMARY_COLUMNS, format_summary, summarize
 
 log = logging.getLogger(__name__)
 
 
 def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = SpecDecoder,
-            row_fn: Callable[..., Any] = prepare_row) -> dict[str, Any]:
+            row_fn: Callable[..., Any] = prepare_row, drafter_why: str | None = None,
+            dry_run: bool = False) -> dict[str, Any]:
     """Run (or resume) a batch job and return its summary (also written to `<output>/_summary.json`).
 
     `table`: in-memory input rows (e.g. built from a Kinetics CSV) instead of reading `spec.input`.
     `decoder_cls`: the actor class (a SpecDecoder subclass in tests); `row_fn`: the media stage's per-row function.
+    `drafter_why`: why the drafter was chosen (the plan says it). `dry_run`: print the plan and return it, having
+    read the input's schema and ids and the checkpoint's headers only: no model loaded, nothing written.
     Job-level mistakes raise `JobInputError` before anything is written."""
     t_start = time.time()
+    connect_ray()  # resources follow the cluster: GPUs per actor, and the dtype that follows the device
+    gpus = resolve_gpus(spec)
+    spec = spec.model_copy(update={"gpus_per_actor": gpus})
+    if spec.decode.drafter == "auto":  # callers that did not choose it (the job scripts do, before planning)
+        from mmspec_ray.toy.drafter import choose_drafter
+
+        choice = choose_drafter("auto", spec.decode.target, spec.decode.drafter_dirs, spec.input, spec.decode.s3)
+        spec = spec.model_copy(update={"decode": spec.decode.model_copy(update={"drafter": choice.spec})})
+        drafter_why = choice.why
+    check_gpus(spec)
+    probe = probe_gpu(gpus) if gpus > 0 else None
+    check_gpu(gpus, probe)
     cfg = job_config(spec)
     out = locate(spec.output, cfg.s3)
     source = None if table is not None else locate(spec.input, cfg.s3)
@@ -58,21 +74,28 @@ def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = Sp
     n_input = len(ids)
     if spec.limit is not None:
         ids = ids.slice(0, spec.limit)
+    actor_cpus = plan_actor_cpus(spec)
+    if dry_run:
+        resumes = exists(out)  # its rows are not read here: a scan would tidy torn parts, and a dry run writes nothing
+        plan = make_plan(spec, cfg, gpus, actor_cpus, len(ids), None if resumes else len(ids), drafter_why, probe)
+        print(format_plan(plan), flush=True)
+        return {"plan": plan, "dry_run": True}
     claim(out, cfg.text_settings(), spec.input, overwrite=spec.overwrite)
     state, done = scan_output(out, ["error_kind"])
     retried = _drop_retries(out, state, done, ids, spec)
     if retried:
         state, _ = scan_output(out)
     todo = ids.filter(pc.invert(pc.is_in(ids, value_set=state.ids.cast(ids.type))))
+    plan = make_plan(spec, cfg, gpus, actor_cpus, len(ids), len(todo), drafter_why, probe)
+    print(format_plan(plan), flush=True)
     log.info("job %s -> %s: %d rows, %d already in the output, %d to decode (%d retried)", spec.input, spec.output,
              len(ids), len(ids) - len(todo), len(todo), retried)
     t_run = time.time()
     progress = None
     if len(todo):
-        connect_ray()
         tracker = ProgressTracker.remote(len(todo))
         ds = _build(spec, cfg, table, source, todo, full=len(todo) == n_input, decoder_cls=decoder_cls,
-                    tracker=tracker, row_fn=row_fn)
+                    tracker=tracker, row_fn=row_fn, actor_cpus=actor_cpus)
         try:
             with ProgressPrinter(tracker, spec.progress_interval_s):
                 ds.write_parquet(out.ray_path, filesystem=out.fs, min_rows_per_file=spec.rows_per_file,
@@ -89,6 +112,7 @@ def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = Sp
     meta = _meta(spec, t_start, state.removed + end_state.removed, end_state.foreign, retried)
     summary = summarize(written, ids, todo, wall, meta, progress)
     summary["retryable_rows"] = sum(summary["all_rows"]["errors_by_kind"].get(k, 0) for k in RETRYABLE_KINDS)
+    summary["plan"] = plan
     write_json(out.child(SUMMARY_NAME), summary)
     log.info(format_summary(summary))
     return summary
@@ -145,12 +169,11 @@ def _actor_config(cfg: DecodeConfig, actor_cpus: float) -> DecodeConfig:
 
 
 def _build(spec: JobSpec, cfg: DecodeConfig, table: pa.Table | None, source: Location | None, todo: pa.Array,
-           full: bool, decoder_cls: type, tracker: Any, row_fn: Callable[..., Any]) -> ray.data.Dataset:
+           full: bool, decoder_cls: type, tracker: Any, row_fn: Callable[..., Any],
+           actor_cpus: float) -> ray.data.Dataset:
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = spec.progress_bars
     ctx.max_errored_blocks = 0  # rows never raise; a raising block is a real failure, never a silent drop
-    check_gpus(spec)
-    actor_cpus = plan_actor_cpus(spec)
     cfg = _actor_config(cfg, actor_cpus)
     task = {"num_cpus": spec.cpus_per_task}
     if table is not None:

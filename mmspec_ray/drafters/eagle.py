@@ -37,6 +37,7 @@ class Eagle2Config(BaseModel):
     rms_eps: float = 1e-6
     target_model_type: str = ""
     target_vocab_size: int = 0
+    target_id: str = ""  # the identity of the checkpoint it was trained for ("": unknown, a model built in memory)
 
     @classmethod
     def for_target(cls, target: "VLMTarget") -> "Eagle2Config":
@@ -46,7 +47,8 @@ class Eagle2Config(BaseModel):
         return cls(hidden_size=target.hidden_size, num_heads=heads, num_kv_heads=kv,
                    intermediate_size=int(getattr(tc, "intermediate_size", 4 * target.hidden_size)),
                    rope_theta=float(getattr(tc, "rope_theta", None) or 10000.0),
-                   target_model_type=target.config.model_type, target_vocab_size=target.vocab_size)
+                   target_model_type=target.config.model_type, target_vocab_size=target.vocab_size,
+                   target_id=target.identity or "")
 
 
 class Eagle2Head(nn.Module):
@@ -100,12 +102,17 @@ class Eagle2Head(nn.Module):
 
 
 def check_fits(cfg: Eagle2Config, target: "VLMTarget") -> None:
-    """A drafter trained for another hidden size or vocabulary cannot run on `target`: say so, and what to do."""
-    if cfg.hidden_size != target.hidden_size or (cfg.target_vocab_size and cfg.target_vocab_size != target.vocab_size):
+    """A drafter trained for another target cannot run on `target`: another hidden size or vocabulary, or (when
+    both are known) another checkpoint identity. Say so with both sides, and what to do."""
+    shapes = cfg.hidden_size != target.hidden_size or (cfg.target_vocab_size and
+                                                       cfg.target_vocab_size != target.vocab_size)
+    other = bool(cfg.target_id) and target.identity is not None and cfg.target_id != target.identity
+    if shapes or other:
+        ids = f"checkpoint {cfg.target_id or 'unknown'} vs this target's {target.identity or 'unknown'}; "
         raise ValueError(
-            f"drafter was trained for hidden size {cfg.hidden_size} / vocab {cfg.target_vocab_size} "
-            f"({cfg.target_model_type}) but the target has {target.hidden_size} / {target.vocab_size}; "
-            "train a drafter for this target with `mmspec train-drafter`")
+            f"drafter was trained for another target: {ids}hidden size / vocab {cfg.hidden_size} / "
+            f"{cfg.target_vocab_size} ({cfg.target_model_type}) vs {target.hidden_size} / {target.vocab_size} "
+            f"({target.config.model_type}); train a drafter for this target with `mmspec train-drafter`")
 
 
 @register_drafter("eagle2")

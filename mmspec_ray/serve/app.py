@@ -248,6 +248,50 @@ class ChatServer:
         self.metrics.request(status, stream)
 
 
+def replica_gpus(gpus: "float | str") -> float:
+    """GPUs per replica: `auto` is 1 where the Ray cluster has GPUs, else 0."""
+    if gpus != "auto":
+        return float(gpus)
+    import ray
+
+    return 1.0 if ray.is_initialized() and float(ray.cluster_resources().get("GPU", 0.0)) > 0 else 0.0
+
+
+def serve_drafter(decode):
+    """(decode with drafter auto made concrete where it is cheap, why): a checkpoint's drafter is found here once
+    by its identity; a toy world's shipped drafter stays `auto` (the replica trains it on first start)."""
+    from mmspec_ray.toy.drafter import choose_drafter, toy_world_of
+
+    if decode.drafter != "auto":
+        return decode, "given"
+    if toy_world_of(decode.target) is not None:
+        return decode, "auto: the toy world's shipped drafter (each replica trains it on first start if needed)"
+    choice = choose_drafter("auto", decode.target, decode.drafter_dirs, None, decode.s3)
+    return decode.model_copy(update={"drafter": choice.spec}), choice.why
+
+
+def serve_plan(settings: ServeSettings, decode, gpus: float, why: str) -> str:
+    """The short plan `serve run` prints before replicas start."""
+    from mmspec_ray.batch.plan import describe_tree
+    from mmspec_ray.targets.layout import read_layout
+
+    try:
+        layout = read_layout(decode.target, decode.s3)
+        what = f"{layout.model_type}, {layout.parameters / 1e9:.2f} B parameters"
+    except (TargetError, OSError) as e:
+        what = f"not readable here: {e}"
+    device = "cuda" if gpus > 0 else "cpu"
+    dtype = decode.dtype if decode.dtype != "auto" else ("bfloat16" if gpus > 0 else "float32")
+    return "\n".join([
+        "plan:",
+        f"  target   {decode.target} ({what}) served as {settings.served_name!r}",
+        f"  decode   {dtype} on {device}; {gpus:g} GPU per replica" if gpus else
+        f"  decode   {dtype} on {device}; no GPU (CPU)",
+        f"  drafter  {decode.drafter}: {why}",
+        f"  tree     {describe_tree(decode)}",
+    ])
+
+
 def build_app(args: dict[str, Any]) -> Application:
     """Serve builder (`import_path: mmspec_ray.serve.app:build_app`): `args` is ServeSettings. A toy world name as
     `decode.target` is resolved (built on first use) here, once, not in every replica."""
@@ -257,6 +301,12 @@ def build_app(args: dict[str, Any]) -> Application:
     settings = settings.model_copy(update={"model_name": settings.served_name})
     decode = settings.decode.model_copy(update={"target": resolve_target(settings.decode.target)})
     options = settings.deployment_options()
+    actor = dict(options.get("ray_actor_options") or {})
+    if "num_gpus" not in actor:  # resources follow the cluster, as the batch jobs' do
+        actor["num_gpus"] = replica_gpus(settings.gpus_per_replica)
+        options = {**options, "ray_actor_options": actor}
+    decode, why = serve_drafter(decode)
+    print(serve_plan(settings, decode, float(actor.get("num_gpus") or 0.0), why), flush=True)
     if decode.torch_threads is None:  # torch threads follow the replica's CPUs
         cpus = (options.get("ray_actor_options") or {}).get("num_cpus") or 1
         decode = decode.model_copy(update={"torch_threads": max(1, math.ceil(cpus))})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import PurePosixPath
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -58,6 +58,9 @@ class ServeSettings(BaseModel):
                                     "must send (read in the replica; never logged); None: no auth")
     deployment: dict[str, Any] = Field(default_factory=dict, description="Serve deployment options merged over "
                                        "DEFAULT_DEPLOYMENT (a config's deployments: section overrides both)")
+    gpus_per_replica: Annotated[float, Field(ge=0.0)] | Literal["auto"] = Field("auto", description=(
+        "auto: one GPU per replica where the cluster has GPUs, none where it has none (a num_gpus in the "
+        "deployment's ray_actor_options wins); a fraction packs replicas on one GPU"))
 
     @property
     def served_name(self) -> str:

@@ -95,6 +95,18 @@ class VLMTarget:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.layer_types, self.sliding_window = attention_layout(self.text_config)
+        self.checkpoint: str | None = None  # the local checkpoint directory it was loaded from (load_target)
+        self._identity: str | None = None
+
+    @property
+    def identity(self) -> str | None:
+        """The checkpoint's identity (`layout.checkpoint_identity`: the same wherever it is copied), or None for a
+        model built in memory. Drafters record it and refuse to run on another target."""
+        if self._identity is None and self.checkpoint is not None:
+            from mmspec_ray.targets.layout import checkpoint_identity
+
+            self._identity = checkpoint_identity(self.checkpoint)
+        return self._identity
 
     # ---------- model pieces drafters share ----------
     @property

@@ -14,6 +14,7 @@ import torch
 
 from mmspec_ray.config import S3Config
 from mmspec_ray.targets.base import TargetError, VLMTarget
+from mmspec_ray.targets.layout import CheckpointLayout, read_layout
 
 log = logging.getLogger(__name__)
 _FAMILIES: dict[str, type[VLMTarget]] = {}
@@ -127,7 +128,26 @@ def load_target(path_or_uri: str | Path, device: str = "cpu", dtype: str | torch
     device = resolve_device_name(device)
     dtype = torch.float32 if dtype is None else resolve_dtype(dtype, device)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device)
-    return wrap(model, processor, feature_layers)
+    target = wrap(model, processor, feature_layers)
+    target.checkpoint = str(path)
+    return target
+
+
+def check_loadable(uri: str, s3: S3Config | None = None) -> CheckpointLayout:
+    """What `load_target` would refuse, found from the file names, config and safetensors headers alone (no weights
+    read, no download), so a job says it in one line before any actor starts: a missing config or weights, a
+    family without an adapter, no tokenizer or no image processor saved next to the model."""
+    layout = read_layout(uri, s3)
+    if layout.model_type not in families():
+        raise TargetError(f"checkpoint {uri}: {unsupported(layout.model_type)}")
+    files = set(layout.files)
+    if not files & {"tokenizer.json", "tokenizer_config.json", "tokenizer.model"}:
+        raise TargetError(f"checkpoint {uri} has no tokenizer files; save the processor next to the model "
+                          "(processor.save_pretrained)")
+    if not files & {"preprocessor_config.json", "processor_config.json"}:
+        raise TargetError(f"checkpoint {uri} has no image processor (preprocessor_config.json); save the stock "
+                          "processor next to the model (processor.save_pretrained)")
+    return layout
 
 
 def _processor_class(path: Path) -> str | None:

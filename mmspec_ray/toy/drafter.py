@@ -17,6 +17,8 @@ from typing import NamedTuple
 
 from pydantic import BaseModel
 
+from mmspec_ray.config import S3Config
+from mmspec_ray.drafters.discover import DrafterChoice
 from mmspec_ray.targets.registry import load_target
 from mmspec_ray.toy.build import ToyWorld, build_toy
 from mmspec_ray.toy.model import TOY_SIZES
@@ -168,17 +170,44 @@ def toy_world_of(target: str) -> tuple[str, ToyWorld] | None:
     return (name, ToyWorld(root)) if name in SHIPPED and Path(target).expanduser().name == "target" else None
 
 
-def resolve_auto_drafter(drafter: str | None, target: str) -> str | None:
-    """`auto` (the default drafter) made concrete for `target`: a toy world's shipped drafter (its checkpoint
-    folder, trained on first use); for any other checkpoint `ngram`, since no trained drafter ships with it (prompt
-    lookup costs nothing where it finds no match, and the tree calibration turns it off where it does not pay).
-    Anything else passes through."""
+def choose_drafter(drafter: str | None, target: str, folders: tuple[str, ...] = (), data: str | None = None,
+                   s3: S3Config | None = None) -> DrafterChoice:
+    """`auto` (the default drafter) made concrete for `target`, with the reason: a toy world's shipped drafter (its
+    checkpoint folder, trained on first use); else the drafter trained for this very checkpoint (its identity) with
+    the best recorded held-out τ in $MMSPEC_HOME/drafters/ and `folders` (local or s3://); else `ngram`, saying so and
+    naming the one command that trains a drafter on `data` (the job's input). Anything else passes through."""
+    from mmspec_ray.drafters.discover import choose_for, home_drafters, train_command
+    from mmspec_ray.targets.layout import checkpoint_identity
+    from mmspec_ray.targets.request import TargetError
+
     if drafter != "auto":
-        return drafter
+        return DrafterChoice(drafter, "given")
     world = toy_world_of(target)
-    if world is None:
-        return "ngram"
-    name, built = world
-    shipped = SHIPPED[name]
-    log.info("drafter auto on %s: %s (its first use trains it: %s)", name, shipped.why, shipped.first_use)
-    return str(build_toy_drafter(name, shipped.method, world=built))
+    if world is not None:
+        name, built = world
+        shipped = SHIPPED[name]
+        log.info("drafter auto on %s: %s (its first use trains it: %s)", name, shipped.why, shipped.first_use)
+        return DrafterChoice(str(build_toy_drafter(name, shipped.method, world=built)), f"auto: {shipped.why}")
+    search = [home_drafters(), *folders]
+    try:
+        identity = checkpoint_identity(target, s3)
+    except (TargetError, OSError, ValueError) as e:
+        return DrafterChoice("ngram", f"auto: ngram (prompt lookup, about AR speed): the checkpoint's identity "
+                             f"could not be read ({e}), so no trained drafter can be matched to it")
+    best, seen = choose_for(identity, search, s3)
+    if best is not None:
+        tau = "no recorded held-out τ" if best.heldout_tau is None else f"held-out τ {best.heldout_tau:.2f}"
+        return DrafterChoice(best.path, f"auto: {best.method} trained for this checkpoint ({identity}), the best of "
+                             f"the drafters found for it by {tau}")
+    return DrafterChoice("ngram", f"auto: ngram (prompt lookup, about AR speed): no drafter trained for this "
+                         f"checkpoint ({identity}) among {seen} in {', '.join(search)}; train one on this data with: "
+                         f"{train_command(target, data)}")
+
+
+def resolve_auto_drafter(drafter: str | None, target: str, folders: tuple[str, ...] = (),
+                         s3: S3Config | None = None) -> str | None:
+    """`choose_drafter`'s spec alone (the reason goes to the log)."""
+    choice = choose_drafter(drafter, target, folders, s3=s3)
+    if drafter == "auto":
+        log.info("drafter %s", choice.why)
+    return choice.spec

@@ -64,6 +64,8 @@ def job_from_args(a: argparse.Namespace, target: str) -> "TrainJob":
     if toy_only:
         raise ValueError(f"{', '.join(toy_only)}: toy-world options; with --data the rows are the data (use --limit) "
                          "and a re-run resumes (give a new --work and --out to start over)")
+    if a.method == "auto":
+        a.method = auto_method(a)
     train = {"epochs": 8, "batch_size": 16, "lr": 2e-3}
     train.update({k: getattr(a, k) for k in TRAIN_FLAGS if getattr(a, k, None) is not None})
     if getattr(a, "direct", False):
@@ -77,6 +79,17 @@ def job_from_args(a: argparse.Namespace, target: str) -> "TrainJob":
                     decode=decode, datagen_actors=a.datagen_actors, gpus_per_actor=1.0 if a.use_gpu else 0.0,
                     num_workers=a.num_workers, use_gpu=a.use_gpu, cpus_per_worker=a.cpus_per_worker,
                     max_failures=a.max_failures, rows_per_shard=a.rows_per_shard)
+
+
+def auto_method(a: argparse.Namespace) -> str:
+    """`--method auto`: the method for the data in --data (its video / image / text-only rows), the answer
+    temperature and the trainer (`training.choose`); prints why."""
+    from mmspec_ray.training.choose import choose_method, data_mix
+
+    mix = data_mix(a.data)
+    method, why = choose_method(mix, sampled=bool(a.answer_temperature), ray_train=bool(a.num_workers))
+    print(f"method auto: {method} ({why})", flush=True)
+    return method
 
 
 def run(a: argparse.Namespace, target: str) -> int:
@@ -93,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     from mmspec_ray.training.methods import METHODS
 
     p = argparse.ArgumentParser(prog="train_drafter", description=__doc__)
-    p.add_argument("--method", default="eagle2", choices=sorted(METHODS))
+    p.add_argument("--method", default="eagle2", choices=["auto", *sorted(METHODS)],
+                   help="auto: chosen from the data (video / image / text-only rows), --answer-temperature and "
+                   "--num-workers by the project's measurements; it prints why")
     p.add_argument("--target", required=True, help="checkpoint directory or s3:// prefix (or toy-s / toy-m)")
     p.add_argument("--out", required=True, help="drafter checkpoint directory or s3:// prefix")
     p.add_argument("--epochs", type=int, default=None)

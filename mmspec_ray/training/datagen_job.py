@@ -184,7 +184,7 @@ def run_datagen(job: DatagenJob, progress_every_s: float = 30.0) -> dict[str, An
                 last = time.time()
     manifest = store.write_manifest({"input": job.input, "target": job.decode.target,
                                      "recipe": job.recipe.model_dump(), "writer": "ray-data",
-                                     "held_out": list(job.exclude_ids)})
+                                     "held_out": list(job.exclude_ids), "rows_per_shard": job.rows_per_shard})
     log.info("datagen done: %d examples from %d rows in %d shards, %d row errors, %.0f s", manifest["examples"],
              manifest["rows"], len(manifest["shards"]), len(manifest["errors"]), time.time() - t0)
     return manifest

@@ -11,6 +11,7 @@ written to `out`, local or s3://, and loads with `--drafter <out>`.
 from __future__ import annotations
 
 import json
+import os
 import logging
 import shutil
 import tempfile
@@ -24,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mmspec_ray.batch.jobspec import DecodeConfig
 from mmspec_ray.decoding.tree import TreeConfig
-from mmspec_ray.targets.base import Request
+from mmspec_ray.targets.base import Request, TargetError
 from mmspec_ray.training.datagen import DatagenRecipe
 from mmspec_ray.training.datagen_job import DatagenJob, run_datagen
 from mmspec_ray.training.distributed import HEAD_INIT_FILE, DistributedConfig, HeadInit, fit
@@ -75,14 +76,18 @@ class TrainJob(BaseModel):
                                             "max_new_tokens": self.recipe.max_new_tokens})
 
 
-def heldout_ids(job: TrainJob, cfg: DecodeConfig) -> list[str]:
-    """The last `heldout` ids of the input (after `limit`), as strings."""
+def input_ids(job: TrainJob, cfg: DecodeConfig) -> pa.Array:
+    """The input's ids (after `limit`), as strings."""
     from mmspec_ray.batch.storage import locate, scan_input
 
     _, ids = scan_input(locate(job.data, cfg.s3))
     ids = ids.combine_chunks().cast(pa.string())
-    if job.limit is not None:
-        ids = ids.slice(0, job.limit)
+    return ids.slice(0, job.limit) if job.limit is not None else ids
+
+
+def heldout_ids(job: TrainJob, cfg: DecodeConfig) -> list[str]:
+    """The last `heldout` ids of the input (after `limit`), as strings."""
+    ids = input_ids(job, cfg)
     if job.heldout >= len(ids):
         raise ValueError(f"--heldout {job.heldout} leaves no training rows of the {len(ids)} in {job.data}")
     return ids.slice(len(ids) - job.heldout).to_pylist() if job.heldout else []
@@ -132,13 +137,22 @@ def run_train_job(job: TrainJob) -> dict[str, Any]:
     """Run (or resume) the whole job; returns a summary (also the drafter's history.json)."""
     from mmspec_ray.batch.cluster import connect_ray
 
+    job = absolute_paths(job)
     m = training_method(job.method)
     cfg = job.decode_config()
     held = heldout_ids(job, cfg)
     check_plan_early(m, job)
+    job = shards_for_workers(job, len(input_ids(job, cfg)) - len(held))
+    from mmspec_ray.targets.registry import check_loadable
+
+    try:  # what an actor would die of, said in one line before any actor starts
+        check_loadable(job.target, cfg.s3)
+    except TargetError as e:
+        raise ValueError(f"target: {e}") from e
     connect_ray(dashboard=bool(job.num_workers))  # Ray Train's controller polls the state API (the dashboard's)
     check_shared_work(job)
     features = job.work_dir.rstrip("/") + "/features"
+    check_existing_features(features, job, cfg)
     manifest = run_datagen(DatagenJob(input=job.data, output=features, decode=cfg, recipe=job.recipe,
                                       exclude_ids=tuple(held), limit=job.limit, num_actors=job.datagen_actors,
                                       gpus_per_actor=job.gpus_per_actor, rows_per_shard=job.rows_per_shard))
@@ -224,6 +238,46 @@ def measure_heldout(job: TrainJob, held: list[str]) -> tuple[float, int]:
     requests = heldout_requests(job, job.decode_config(), held)
     drafter = load_drafter(job.out, target, s3=job.decode_config().s3)
     return heldout_tau(target, drafter, requests, job.tree, job.train.eval_max_new_tokens), len(requests)
+
+
+def absolute_paths(job: TrainJob) -> TrainJob:
+    """Local paths made absolute here, on the driver: Ray Train workers and datagen actors run in working
+    directories of their own, where a relative --out or --work would name another folder."""
+    def fix(p: str | None) -> str | None:
+        if p is None or "://" in p:
+            return p
+        return os.path.abspath(os.path.expanduser(p))
+
+    return job.model_copy(update={"out": fix(job.out), "work": fix(job.work), "data": fix(job.data),
+                                  "target": fix(job.target) if os.path.exists(os.path.expanduser(job.target))
+                                  else job.target})
+
+
+def shards_for_workers(job: TrainJob, rows: int) -> TrainJob:
+    """With Ray Train, rows per feature shard lowered so every worker gets at least one shard of the `rows`
+    training rows (a small data set would otherwise make fewer shards than workers)."""
+    if not job.num_workers or rows <= 0:
+        return job
+    fit = max(1, rows // job.num_workers)
+    if job.rows_per_shard <= fit:
+        return job
+    log.info("rows per shard %d -> %d: %d training rows over %d Ray Train workers", job.rows_per_shard, fit, rows,
+             job.num_workers)
+    return job.model_copy(update={"rows_per_shard": fit})
+
+
+def check_existing_features(features: str, job: TrainJob, cfg: DecodeConfig) -> None:
+    """Features already generated in the work folder are reused as they are: say so when this run asks for
+    another shard size than they were cut with (a new --work regenerates them)."""
+    store = ShardStore(features, cfg.s3)
+    try:
+        manifest = json.loads(store.read("manifest.json"))
+    except (OSError, ValueError, FileNotFoundError):
+        return
+    had = manifest.get("rows_per_shard")
+    if had is not None and had != job.rows_per_shard:
+        log.warning("features in %s were cut at %d rows per shard; rows per shard %d applies to new rows only (give "
+                    "a new --work to regenerate them all)", features, had, job.rows_per_shard)
 
 
 def check_plan_early(m, job: TrainJob) -> None:

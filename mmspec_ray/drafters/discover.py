@@ -1,0 +1,98 @@
+"""Drafters found for a checkpoint: every trained drafter records the identity of the target it was trained for
+(`config.json` `target_id`), so `--drafter auto` can look through drafter folders ($MMSPEC_HOME/drafters/ and any
+`--drafter-dir`, local or s3://) and take the one trained for this very checkpoint that measured fastest (its
+recorded held-out τ). Reads config.json and history.json only: no weights, no target."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from mmspec_ray.config import S3Config
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FoundDrafter:
+    path: str  # the drafter's directory or s3:// prefix
+    method: str
+    target_id: str  # "" when it was trained before drafters recorded their target
+    heldout_tau: float | None  # accepted draft tokens per cycle on held-out rows, as its training measured them
+
+
+@dataclass(frozen=True)
+class DrafterChoice:
+    spec: str  # what `load_drafter` takes: a method name or a drafter directory / s3:// prefix
+    why: str  # one line for the plan and the logs
+
+
+def home_drafters() -> str:
+    """$MMSPEC_HOME/drafters: where `--drafter auto` always looks."""
+    return str(Path(os.environ.get("MMSPEC_HOME", Path.home() / ".cache" / "mmspec")) / "drafters")
+
+
+def _tau(history: object) -> float | None:
+    """The held-out τ a history.json records: a training job's summary, or the trainer's per-epoch list."""
+    if isinstance(history, dict):
+        value = history.get("heldout_tau")
+    elif isinstance(history, list) and history and isinstance(history[-1], dict):
+        value = history[-1].get("heldout_tau")
+    else:
+        value = None
+    return float(value) if isinstance(value, (int, float)) and value == value else None
+
+
+def scan(folder: str, s3: S3Config | None = None) -> list[FoundDrafter]:
+    """The drafters in `folder` (each a sub-folder with config.json naming its method), or `folder` itself when it is
+    one. A folder that does not exist holds none."""
+    from pyarrow import fs
+
+    if folder.startswith("s3://"):
+        from mmspec_ray.media.io import s3_filesystem
+
+        filesystem, root = s3_filesystem(s3 or S3Config.from_env()), folder[len("s3://"):].rstrip("/")
+    else:
+        filesystem = fs.LocalFileSystem()
+        root = os.path.abspath(os.path.expanduser(folder[len("file://"):] if folder.startswith("file://") else folder))
+    try:
+        infos = filesystem.get_file_info(fs.FileSelector(root, recursive=False, allow_not_found=True))
+    except OSError as e:
+        log.warning("cannot list drafter folder %s: %s", folder, e)
+        return []
+    dirs = [root] + sorted(i.path for i in infos if i.type == fs.FileType.Directory)
+    found = []
+    for d in dirs:
+        try:
+            with filesystem.open_input_stream(f"{d}/config.json") as f:
+                cfg = json.loads(f.read())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(cfg, dict) or not cfg.get("method"):
+            continue
+        try:
+            with filesystem.open_input_stream(f"{d}/history.json") as f:
+                tau = _tau(json.loads(f.read()))
+        except (OSError, ValueError):
+            tau = None
+        path = f"s3://{d}" if folder.startswith("s3://") else d
+        found.append(FoundDrafter(path, str(cfg["method"]), str(cfg.get("target_id") or ""), tau))
+    return found
+
+
+def choose_for(target_id: str, folders: list[str], s3: S3Config | None = None) -> tuple[FoundDrafter | None, int]:
+    """(the drafter trained for `target_id` with the highest recorded held-out τ, or None; drafters looked at)."""
+    seen = [d for folder in folders for d in scan(folder, s3)]
+    mine = [d for d in seen if d.target_id == target_id]
+    best = max(mine, key=lambda d: (d.heldout_tau is not None, d.heldout_tau or 0.0), default=None)
+    return best, len(seen)
+
+
+def train_command(target: str, data: str | None, method: str = "eagle2") -> str:
+    """The one command that trains a drafter `--drafter auto` will find for `target` (on `data`, the job's input)."""
+    name = Path(target.rstrip("/")).name or "target"
+    return (f"mmspec train-drafter --method {method} --target {target} --data {data or 'REQUESTS.parquet'} "
+            f"--out {home_drafters()}/{name}-{method}")

@@ -1,0 +1,165 @@
+"""What a checkpoint is, read without loading it: its config, its tensors' names, dtypes and shapes (from the
+safetensors headers), the parameter count, the KV bytes a token costs, and an identity that stays the same wherever
+the checkpoint is copied. Reads only config.json, each safetensors header and a few bytes of each tensor, locally
+or by ranged reads on S3, so a job can plan (and refuse) before any actor loads weights."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mmspec_ray.config import S3Config
+from mmspec_ray.targets.request import TargetError
+
+# config keys that say where or how a copy was saved, not what the model is
+_VOLATILE = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash"}
+_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+          "F8_E4M3": 1, "F8_E5M2": 1}
+SAMPLE = 16  # leading elements of every tensor that enter the identity
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str  # safetensors dtype name (BF16, F32, ...)
+    shape: tuple[int, ...]
+    file: str  # the shard holding it
+    start: int  # byte offset of its data in that file
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """A checkpoint's config and tensor table, and what follows from them."""
+
+    uri: str
+    config: dict[str, Any]
+    tensors: dict[str, TensorInfo]
+    files: tuple[str, ...] = ()  # the file names at the checkpoint's top level
+
+    @property
+    def model_type(self) -> str | None:
+        return self.config.get("model_type")
+
+    @property
+    def parameters(self) -> int:
+        return sum(math.prod(t.shape) for t in self.tensors.values())
+
+    def weight_bytes(self, dtype_bytes: int) -> int:
+        """The weights' size once loaded in a dtype of `dtype_bytes` bytes per element."""
+        return self.parameters * dtype_bytes
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Keys and values of one token over every decoder layer of the language model."""
+        tc = self.config.get("text_config") or self.config
+        layers = int(tc.get("num_hidden_layers", 0))
+        heads = int(tc.get("num_attention_heads", 1))
+        kv = int(tc.get("num_key_value_heads") or heads)
+        head_dim = int(tc.get("head_dim") or int(tc.get("hidden_size", 0)) // max(1, heads))
+        return 2 * layers * kv * head_dim * dtype_bytes
+
+
+class _Reader:
+    """Byte ranges of the checkpoint's files, local or on S3."""
+
+    def __init__(self, uri: str, s3: S3Config | None) -> None:
+        self.uri = uri.rstrip("/")
+        self.s3 = None
+        if uri.startswith("s3://"):
+            from mmspec_ray.media.io import s3_filesystem
+
+            self.s3 = s3_filesystem(s3 or S3Config.from_env())
+            self.key = self.uri[len("s3://"):]
+        else:
+            self.root = Path(uri[len("file://"):] if uri.startswith("file://") else uri).expanduser()
+
+    def names(self) -> list[str]:
+        if self.s3 is None:
+            if not self.root.is_dir():
+                raise TargetError(f"checkpoint {self.uri} does not exist or is not a directory")
+            return sorted(p.name for p in self.root.iterdir() if p.is_file())
+        from pyarrow import fs
+
+        try:
+            infos = self.s3.get_file_info(fs.FileSelector(self.key, recursive=False, allow_not_found=True))
+        except OSError as e:
+            raise TargetError(f"cannot list {self.uri}: {e}") from e
+        return sorted(i.base_name for i in infos if i.type == fs.FileType.File)
+
+    def read(self, name: str, start: int = 0, length: int | None = None) -> bytes:
+        if self.s3 is None:
+            with open(self.root / name, "rb") as f:
+                f.seek(start)
+                return f.read() if length is None else f.read(length)
+        with self.s3.open_input_file(f"{self.key}/{name}") as f:
+            f.seek(start)
+            return f.read() if length is None else f.read(length)
+
+
+def _header(reader: _Reader, name: str) -> tuple[dict[str, Any], int]:
+    """(the safetensors header of file `name`, the byte offset where its data starts)."""
+    head = reader.read(name, 0, 8)
+    if len(head) < 8:
+        raise TargetError(f"checkpoint {reader.uri}: {name} is not a safetensors file (too short)")
+    (n,) = struct.unpack("<Q", head)
+    if n > 100 << 20:
+        raise TargetError(f"checkpoint {reader.uri}: {name} has an implausible safetensors header ({n} bytes)")
+    try:
+        return json.loads(reader.read(name, 8, n)), 8 + n
+    except ValueError as e:
+        raise TargetError(f"checkpoint {reader.uri}: {name} has an unreadable safetensors header: {e}") from e
+
+
+def read_layout(uri: str, s3: S3Config | None = None) -> CheckpointLayout:
+    """Config and tensor table of the checkpoint at `uri` (a local directory or s3://bucket/prefix). Raises
+    `TargetError` naming what is missing (config.json, weights in safetensors)."""
+    reader = _Reader(uri, s3)
+    names = reader.names()
+    if "config.json" not in names:
+        raise TargetError(f"checkpoint {uri} has no config.json; is this a save_pretrained directory?")
+    config = json.loads(reader.read("config.json"))
+    shards = sorted(n for n in names if n.endswith(".safetensors"))
+    if not shards:
+        raise TargetError(f"checkpoint {uri} has no safetensors weights (model.safetensors or its shards)")
+    tensors: dict[str, TensorInfo] = {}
+    for shard in shards:
+        header, data = _header(reader, shard)
+        for key, meta in header.items():
+            if key == "__metadata__":
+                continue
+            tensors[key] = TensorInfo(meta["dtype"], tuple(meta["shape"]), shard, data + meta["data_offsets"][0])
+    return CheckpointLayout(uri, config, tensors, tuple(names))
+
+
+def checkpoint_identity(uri: str, s3: S3Config | None = None, layout: CheckpointLayout | None = None) -> str:
+    """A digest of what the checkpoint is: its config (without where or in which dtype it was saved) and every
+    tensor's name, shape and first values (rounded to bfloat16, so a float32 and a bfloat16 copy of the same weights
+    agree). The same wherever the checkpoint is copied; a fine-tune of the same base differs."""
+    import torch
+
+    layout = layout or read_layout(uri, s3)
+    reader = _Reader(uri, s3)
+    h = hashlib.sha256()
+    config = {k: v for k, v in layout.config.items() if k not in _VOLATILE}
+    for sub in ("text_config", "vision_config"):
+        if isinstance(config.get(sub), dict):
+            config[sub] = {k: v for k, v in config[sub].items() if k not in _VOLATILE}
+    h.update(json.dumps(config, sort_keys=True).encode())
+    for key in sorted(layout.tensors):
+        t = layout.tensors[key]
+        n = min(SAMPLE, math.prod(t.shape))
+        size = _BYTES.get(t.dtype)
+        h.update(f"{key}|{t.shape}".encode())
+        if not size or not n:
+            continue
+        raw = reader.read(t.file, t.start, n * size)
+        dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}.get(t.dtype)
+        if dtype is None:  # integer / fp8 tensors: their bytes as stored
+            h.update(raw)
+            continue
+        values = torch.frombuffer(bytearray(raw), dtype=dtype).float().to(torch.bfloat16)
+        h.update(values.view(torch.int16).numpy().tobytes())
+    return h.hexdigest()[:20]

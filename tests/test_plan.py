@@ -1,0 +1,148 @@
+"""Your checkpoint on your GPUs: resources that follow the cluster (a local Ray that declares GPUs), the GPU probe
+that refuses where torch sees no CUDA, fractional packing, the memory refusal, the plan and `--dry-run` (no model
+loaded, nothing written), and drafters found for the checkpoint by its identity."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from mmspec_ray.batch import JobSpec, run_job  # noqa: E402
+from mmspec_ray.batch.cli import main as job_main  # noqa: E402
+from mmspec_ray.batch.jobspec import DecodeConfig  # noqa: E402
+from mmspec_ray.batch.plan import check_memory, format_plan, make_plan, memory_need, resolve_gpus  # noqa: E402
+from mmspec_ray.batch.storage import JobInputError  # noqa: E402
+from mmspec_ray.drafters.base import load_drafter  # noqa: E402
+from mmspec_ray.drafters.eagle import Eagle2Drafter  # noqa: E402
+from mmspec_ray.targets import load_target  # noqa: E402
+from mmspec_ray.targets.layout import checkpoint_identity, read_layout  # noqa: E402
+from mmspec_ray.toy.drafter import choose_drafter  # noqa: E402
+from tiny import random_images, tiny_llava  # noqa: E402
+
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def gpu_cluster():
+    """A local Ray that declares 2 GPUs (a resource only: torch here has no CUDA)."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def requests_parquet(tmp_path) -> str:
+    rows = []
+    for i, img in enumerate(random_images(3, seed=5)):
+        buf = io.BytesIO()
+        img.save(buf, format="PNG")
+        rows.append({"id": f"r{i}", "prompt": "describe the image", "image": buf.getvalue()})
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Any model load in this process fails the test."""
+    import transformers
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(transformers.AutoModelForImageTextToText, "from_pretrained", boom)
+    monkeypatch.setattr("mmspec_ray.targets.registry.load_target", boom)
+
+
+def test_gpus_auto_plans_one_gpu_per_actor_and_refuses_where_torch_has_no_cuda(gpu_cluster, ckpt, tmp_path,
+                                                                             requests_parquet, no_model_loads):
+    spec = JobSpec(input=requests_parquet, output=str(tmp_path / "out"), decode=DecodeConfig(target=ckpt,
+                                                                                            drafter="ngram"))
+    assert spec.gpus_per_actor == "auto" and resolve_gpus(spec) == 1.0
+    assert resolve_gpus(spec.model_copy(update={"gpus_per_actor": 0.5})) == 0.5
+    with pytest.raises(JobInputError, match="offers GPUs to Ray, but torch .* sees no CUDA device.*"
+                                            "--gpus-per-actor 0"):
+        run_job(spec, dry_run=True)
+    assert not (tmp_path / "out").exists()
+
+
+def test_dry_run_prints_the_plan_loads_no_model_and_writes_nothing(gpu_cluster, ckpt, tmp_path, requests_parquet,
+                                                                  no_model_loads, capsys):
+    out = tmp_path / "out"
+    rc = job_main(["--target", ckpt, "--input", requests_parquet, "--output", str(out), "--drafter", "ngram",
+                   "--gpus-per-actor", "0", "--limit", "2", "--dry-run"], "instruct")
+    assert rc == 0 and not out.exists()
+    text = capsys.readouterr().out
+    assert "plan:" in text and "(llava, 0.00 B parameters)" in text and "float32 on cpu" in text
+    assert "no GPU (CPU)" in text and "2 from " in text and "2 to decode" in text and "drafter  ngram: given" in text
+    assert "calibrated on this machine" in text
+
+
+def test_the_plan_packs_fractional_actors_and_refuses_a_target_that_cannot_fit(ckpt):
+    layout = read_layout(ckpt)
+    need = memory_need(layout, "bfloat16", 128)
+    assert need["weights_gib"] == round(layout.parameters * 2 / GIB, 4) and need["need_gib"] > need["weights_gib"]
+    h100 = {"cuda": True, "torch": "x", "name": "H100", "memory": 80 * GIB}
+    assert check_memory(need, 0.25, h100) == 20.0 and check_memory(need, 0.0, None) is None
+    big = {"weights_gib": 15.2, "kv_gib": 4.3, "need_gib": 22.4}
+    with pytest.raises(JobInputError, match=r"needs about 22.4 GiB per actor .* has 20.0 GiB \(0.25 of a 80 GiB "
+                                            r"H100\).*--gpus-per-actor 1"):
+        check_memory(big, 0.25, h100)
+    assert check_memory(big, 1.0, h100) == 80.0
+    spec = JobSpec(input="in.parquet", output="out", num_actors=4, gpus_per_actor=0.5,
+                   decode=DecodeConfig(target=ckpt, drafter="ngram"))
+    cfg = spec.decode.model_copy(update={"device": "cuda", "dtype": "bfloat16"})
+    plan = make_plan(spec, cfg, 0.5, 1.0, 10, 10, None, h100)
+    assert plan["packing"] == "2 actors per GPU" and plan["memory_per_actor"]["device_share_gib"] == 40.0
+    assert "0.5 GPU per actor (2 actors per GPU)" in format_plan(plan) and "cuda (H100)" in format_plan(plan)
+
+
+def _other_ckpt(tmp_path: Path) -> str:
+    model, processor = tiny_llava(seed=7)
+    path = tmp_path / "other"
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return str(path)
+
+
+def _saved_drafter(target, path: Path, tau: float | None) -> str:
+    Eagle2Drafter.random(target).head.save(path)
+    if tau is not None:
+        (path / "history.json").write_text(json.dumps({"method": "eagle2", "heldout_tau": tau}))
+    return str(path)
+
+
+def test_auto_finds_the_drafter_trained_for_the_checkpoint_and_prefers_the_faster(ckpt, tmp_path, monkeypatch):
+    monkeypatch.setenv("MMSPEC_HOME", str(tmp_path / "home"))
+    target = load_target(ckpt)
+    assert target.identity == checkpoint_identity(ckpt)
+    other_ckpt = _other_ckpt(tmp_path)
+    other = load_target(other_ckpt)
+    assert other.identity != target.identity
+    home = tmp_path / "home" / "drafters"
+    extra = tmp_path / "team-drafters"
+    choice = choose_drafter("auto", ckpt, data="s3://b/requests/")
+    assert choice.spec == "ngram" and "no drafter trained for this checkpoint" in choice.why
+    assert f"mmspec train-drafter --method eagle2 --target {ckpt} --data s3://b/requests/ --out {home}/" in choice.why
+    slow = _saved_drafter(target, home / "slow", 0.8)
+    _saved_drafter(other, home / "for-other", 3.0)  # faster, but for another checkpoint
+    assert json.loads((Path(slow) / "config.json").read_text())["target_id"] == target.identity
+    assert choose_drafter("auto", ckpt).spec == slow
+    fast = _saved_drafter(target, extra / "fast", 1.6)
+    assert choose_drafter("auto", ckpt).spec == slow  # --drafter-dir not given: not looked at
+    choice = choose_drafter("auto", ckpt, (str(extra),))
+    assert choice.spec == fast and "held-out τ 1.60" in choice.why and target.identity in choice.why
+    assert isinstance(load_drafter(fast, target), Eagle2Drafter)
+    with pytest.raises(ValueError, match=f"trained for another target: checkpoint {other.identity} vs this "
+                                         f"target's {target.identity}"):
+        load_drafter(str(home / "for-other"), target)
+    assert choose_drafter("ngram", ckpt).spec == "ngram"  # anything but auto passes through
