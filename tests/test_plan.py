@@ -146,3 +146,23 @@ def test_auto_finds_the_drafter_trained_for_the_checkpoint_and_prefers_the_faste
                                          f"target's {target.identity}"):
         load_drafter(str(home / "for-other"), target)
     assert choose_drafter("ngram", ckpt).spec == "ngram"  # anything but auto passes through
+
+
+def test_identity_is_the_same_wherever_the_checkpoint_is_copied_and_differs_for_other_weights(ckpt, tmp_path,
+                                                                                           s3_server):
+    import torch
+
+    mine = checkpoint_identity(ckpt)
+    bucket = s3_server.new_bucket("ckpt")
+    for f in Path(ckpt).iterdir():
+        s3_server.client.upload_file(str(f), bucket, f"models/llava/{f.name}")
+    assert checkpoint_identity(f"s3://{bucket}/models/llava/", s3_server.s3_config) == mine  # ranged reads
+    assert read_layout(f"s3://{bucket}/models/llava", s3_server.s3_config).parameters == read_layout(ckpt).parameters
+    model, processor = tiny_llava()
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    processor.save_pretrained(tmp_path / "bf16")
+    assert checkpoint_identity(str(tmp_path / "bf16")) == mine  # another dtype, another folder: the same model
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] += 1.0  # a fine-tune of the same base
+    model.save_pretrained(tmp_path / "tuned")
+    assert checkpoint_identity(str(tmp_path / "tuned")) != mine

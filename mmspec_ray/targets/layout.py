@@ -90,13 +90,17 @@ class _Reader:
         return sorted(i.base_name for i in infos if i.type == fs.FileType.File)
 
     def read(self, name: str, start: int = 0, length: int | None = None) -> bytes:
-        if self.s3 is None:
-            with open(self.root / name, "rb") as f:
+        return self.read_many(name, [(start, length)])[0]
+
+    def read_many(self, name: str, ranges: list[tuple[int, int | None]]) -> list[bytes]:
+        """Several byte ranges of one file, opened once (one S3 object handle for all of a shard's tensors)."""
+        f = open(self.root / name, "rb") if self.s3 is None else self.s3.open_input_file(f"{self.key}/{name}")
+        with f:
+            out = []
+            for start, length in ranges:
                 f.seek(start)
-                return f.read() if length is None else f.read(length)
-        with self.s3.open_input_file(f"{self.key}/{name}") as f:
-            f.seek(start)
-            return f.read() if length is None else f.read(length)
+                out.append(f.read() if length is None else f.read(length))
+            return out
 
 
 def _header(reader: _Reader, name: str) -> tuple[dict[str, Any], int]:
@@ -148,14 +152,23 @@ def checkpoint_identity(uri: str, s3: S3Config | None = None, layout: Checkpoint
         if isinstance(config.get(sub), dict):
             config[sub] = {k: v for k, v in config[sub].items() if k not in _VOLATILE}
     h.update(json.dumps(config, sort_keys=True).encode())
-    for key in sorted(layout.tensors):
+    keys = sorted(layout.tensors)
+    wanted: dict[str, list[str]] = {}
+    for key in keys:
         t = layout.tensors[key]
-        n = min(SAMPLE, math.prod(t.shape))
-        size = _BYTES.get(t.dtype)
+        if _BYTES.get(t.dtype) and math.prod(t.shape):
+            wanted.setdefault(t.file, []).append(key)
+    raw_of: dict[str, bytes] = {}
+    for file, names in wanted.items():
+        ranges = [(layout.tensors[k].start, min(SAMPLE, math.prod(layout.tensors[k].shape)) *
+                   _BYTES[layout.tensors[k].dtype]) for k in names]
+        raw_of.update(zip(names, reader.read_many(file, ranges)))
+    for key in keys:
+        t = layout.tensors[key]
         h.update(f"{key}|{t.shape}".encode())
-        if not size or not n:
+        if key not in raw_of:
             continue
-        raw = reader.read(t.file, t.start, n * size)
+        raw = raw_of[key]
         dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}.get(t.dtype)
         if dtype is None:  # integer / fp8 tensors: their bytes as stored
             h.update(raw)
