@@ -50,6 +50,17 @@ def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = Sp
     read the input's schema and ids and the checkpoint's headers only: no model loaded, nothing written.
     Job-level mistakes raise `JobInputError` before anything is written."""
     t_start = time.time()
+    out = locate(spec.output, spec.decode.s3)
+    source = None if table is not None else locate(spec.input, spec.decode.s3)
+    if source is not None:
+        check_disjoint(source, out)
+    schema, ids = (table.schema, table.column("id")) if table is not None else scan_input(source)
+    check_columns(schema, spec.decode, spec.input)
+    check_ids(ids, spec.input)
+    ids = ids.combine_chunks()
+    n_input = len(ids)
+    if spec.limit is not None:
+        ids = ids.slice(0, spec.limit)
     connect_ray()  # resources follow the cluster: GPUs per actor, and the dtype that follows the device
     gpus = resolve_gpus(spec)
     spec = spec.model_copy(update={"gpus_per_actor": gpus})
@@ -63,21 +74,11 @@ def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = Sp
     probe = probe_gpu(gpus) if gpus > 0 else None
     check_gpu(gpus, probe)
     cfg = job_config(spec)
-    out = locate(spec.output, cfg.s3)
-    source = None if table is not None else locate(spec.input, cfg.s3)
-    if source is not None:
-        check_disjoint(source, out)
-    schema, ids = (table.schema, table.column("id")) if table is not None else scan_input(source)
-    check_columns(schema, cfg, spec.input)
-    check_ids(ids, spec.input)
-    ids = ids.combine_chunks()
-    n_input = len(ids)
-    if spec.limit is not None:
-        ids = ids.slice(0, spec.limit)
     actor_cpus = plan_actor_cpus(spec)
+    # refuses a target that cannot load or fit before anything is written; an existing output's rows are not read
+    # yet (a scan tidies torn parts, and a dry run writes nothing)
+    plan = make_plan(spec, cfg, gpus, actor_cpus, len(ids), None if exists(out) else len(ids), drafter_why, probe)
     if dry_run:
-        resumes = exists(out)  # its rows are not read here: a scan would tidy torn parts, and a dry run writes nothing
-        plan = make_plan(spec, cfg, gpus, actor_cpus, len(ids), None if resumes else len(ids), drafter_why, probe)
         print(format_plan(plan), flush=True)
         return {"plan": plan, "dry_run": True}
     claim(out, cfg.text_settings(), spec.input, overwrite=spec.overwrite)
@@ -86,7 +87,7 @@ def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = Sp
     if retried:
         state, _ = scan_output(out)
     todo = ids.filter(pc.invert(pc.is_in(ids, value_set=state.ids.cast(ids.type))))
-    plan = make_plan(spec, cfg, gpus, actor_cpus, len(ids), len(todo), drafter_why, probe)
+    plan["to_decode"] = len(todo)
     print(format_plan(plan), flush=True)
     log.info("job %s -> %s: %d rows, %d already in the output, %d to decode (%d retried)", spec.input, spec.output,
              len(ids), len(ids) - len(todo), len(todo), retried)
