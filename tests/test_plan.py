@@ -166,3 +166,17 @@ def test_identity_is_the_same_wherever_the_checkpoint_is_copied_and_differs_for_
         next(model.parameters()).view(-1)[0] += 1.0  # a fine-tune of the same base
     model.save_pretrained(tmp_path / "tuned")
     assert checkpoint_identity(str(tmp_path / "tuned")) != mine
+
+
+def test_serve_takes_a_gpu_per_replica_where_the_cluster_has_them_and_prints_its_plan(gpu_cluster, ckpt):
+    from mmspec_ray.serve.app import replica_gpus, serve_drafter, serve_plan
+    from mmspec_ray.serve.settings import ServeSettings
+
+    assert replica_gpus("auto") == 1.0 and replica_gpus(0.5) == 0.5 and replica_gpus(0) == 0.0
+    settings = ServeSettings.model_validate({"decode": {"target": ckpt}})
+    decode, why = serve_drafter(settings.decode)
+    assert decode.drafter == "ngram" and "no drafter trained for this checkpoint" in why
+    plan = serve_plan(settings, decode, 1.0, why)
+    assert "(llava, 0.00 B parameters)" in plan and "bfloat16 on cuda; 1 GPU per replica" in plan
+    cpu = settings.decode.model_copy(update={"device": "cpu"})
+    assert "float32 on cpu; no GPU (CPU)" in serve_plan(settings, cpu, 0.0, "given")

@@ -280,13 +280,13 @@ def serve_plan(settings: ServeSettings, decode, gpus: float, why: str) -> str:
         what = f"{layout.model_type}, {layout.parameters / 1e9:.2f} B parameters"
     except (TargetError, OSError) as e:
         what = f"not readable here: {e}"
-    device = "cuda" if gpus > 0 else "cpu"
-    dtype = decode.dtype if decode.dtype != "auto" else ("bfloat16" if gpus > 0 else "float32")
+    device = decode.device if decode.device != "auto" else ("cuda" if gpus > 0 else "cpu")
+    dtype = decode.dtype if decode.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     return "\n".join([
         "plan:",
         f"  target   {decode.target} ({what}) served as {settings.served_name!r}",
-        f"  decode   {dtype} on {device}; {gpus:g} GPU per replica" if gpus else
-        f"  decode   {dtype} on {device}; no GPU (CPU)",
+        f"  decode   {dtype} on {device}; {gpus:g} GPU per replica (a ray_actor_options in the config's "
+        "deployments: section replaces this)" if gpus else f"  decode   {dtype} on {device}; no GPU (CPU)",
         f"  drafter  {decode.drafter}: {why}",
         f"  tree     {describe_tree(decode)}",
     ])
@@ -302,8 +302,8 @@ def build_app(args: dict[str, Any]) -> Application:
     decode = settings.decode.model_copy(update={"target": resolve_target(settings.decode.target)})
     options = settings.deployment_options()
     actor = dict(options.get("ray_actor_options") or {})
-    if "num_gpus" not in actor:  # resources follow the cluster, as the batch jobs' do
-        actor["num_gpus"] = replica_gpus(settings.gpus_per_replica)
+    if "num_gpus" not in actor:  # resources follow the cluster, as the batch jobs' do (a CPU device takes none)
+        actor["num_gpus"] = 0.0 if decode.device == "cpu" else replica_gpus(settings.gpus_per_replica)
         options = {**options, "ray_actor_options": actor}
     decode, why = serve_drafter(decode)
     print(serve_plan(settings, decode, float(actor.get("num_gpus") or 0.0), why), flush=True)
