@@ -180,3 +180,14 @@ def test_serve_takes_a_gpu_per_replica_where_the_cluster_has_them_and_prints_its
     assert "(llava, 0.00 B parameters)" in plan and "bfloat16 on cuda; 1 GPU per replica" in plan
     cpu = settings.decode.model_copy(update={"device": "cpu"})
     assert "float32 on cpu; no GPU (CPU)" in serve_plan(settings, cpu, 0.0, "given")
+
+
+def test_auto_finds_a_drafter_in_an_s3_drafter_dir(ckpt, tmp_path, s3_server, monkeypatch):
+    monkeypatch.setenv("MMSPEC_HOME", str(tmp_path / "home"))
+    target = load_target(ckpt)
+    local = Path(_saved_drafter(target, tmp_path / "d", 1.1))
+    bucket = s3_server.new_bucket("drafters")
+    for f in local.iterdir():
+        s3_server.client.upload_file(str(f), bucket, f"team/llava-eagle2/{f.name}")
+    choice = choose_drafter("auto", ckpt, (f"s3://{bucket}/team/",), s3=s3_server.s3_config)
+    assert choice.spec == f"s3://{bucket}/team/llava-eagle2" and "held-out τ 1.10" in choice.why
