@@ -82,7 +82,7 @@ def test_dry_run_prints_the_plan_loads_no_model_and_writes_nothing(gpu_cluster, 
                    "--gpus-per-actor", "0", "--limit", "2", "--dry-run"], "instruct")
     assert rc == 0 and not out.exists()
     text = capsys.readouterr().out
-    assert "plan:" in text and "(llava, 0.00 B parameters)" in text and "float32 on cpu" in text
+    assert "plan:" in text and "(llava, 0.2 M parameters)" in text and "float32 on cpu" in text
     assert "no GPU (CPU)" in text and "2 from " in text and "2 to decode" in text and "drafter  ngram: given" in text
     assert "calibrated on this machine" in text
 
@@ -177,7 +177,7 @@ def test_serve_takes_a_gpu_per_replica_where_the_cluster_has_them_and_prints_its
     decode, why = serve_drafter(settings.decode)
     assert decode.drafter == "ngram" and "no drafter trained for this checkpoint" in why
     plan = serve_plan(settings, decode, 1.0, why)
-    assert "(llava, 0.00 B parameters)" in plan and "bfloat16 on cuda; 1 GPU per replica" in plan
+    assert "(llava, 0.2 M parameters)" in plan and "bfloat16 on cuda; 1 GPU per replica" in plan
     cpu = settings.decode.model_copy(update={"device": "cpu"})
     assert "float32 on cpu; no GPU (CPU)" in serve_plan(settings, cpu, 0.0, "given")
 

@@ -120,19 +120,29 @@ def make_plan(spec: JobSpec, cfg: DecodeConfig, gpus: float, actor_cpus: float, 
     }
 
 
+def params_text(n: int) -> str:
+    """A parameter count as people say it: 7.62 B, 2.7 M."""
+    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.1f} M"
+
+
+def gib_text(gib: float) -> str:
+    """A size in GiB, or in MiB below one GiB (toy targets)."""
+    return f"{gib:.1f} GiB" if gib >= 1 else f"{gib * 1024:.0f} MiB"
+
+
 def format_plan(plan: dict[str, Any]) -> str:
     """The plan as a few lines for the terminal."""
     mem = plan["memory_per_actor"]
-    share = f" of {mem['device_share_gib']:.1f} GiB" if mem.get("device_share_gib") else ""
+    share = f" of {gib_text(mem['device_share_gib'])}" if mem.get("device_share_gib") else ""
     gpus = f"{plan['gpus_per_actor']:g} GPU per actor{' (' + plan['packing'] + ')' if plan['packing'] else ''}" \
         if plan["gpus_per_actor"] else "no GPU (CPU)"
     return "\n".join([
         "plan:",
-        f"  target   {plan['target']} ({plan['family']}, {plan['parameters'] / 1e9:.2f} B parameters)",
+        f"  target   {plan['target']} ({plan['family']}, {params_text(plan['parameters'])} parameters)",
         f"  decode   {plan['dtype']} on {plan['device']}; {plan['actors']} actor(s), {gpus}, "
         f"{plan['cpus_per_actor']:g} CPU each",
-        f"  memory   ~{mem['need_gib']:.1f} GiB per actor{share} (weights {mem['weights_gib']:.1f}, KV "
-        f"{mem['kv_gib']:.1f})",
+        f"  memory   ~{gib_text(mem['need_gib'])} per actor{share} (weights {gib_text(mem['weights_gib'])}, KV "
+        f"{gib_text(mem['kv_gib'])})",
         f"  drafter  {plan['drafter']}: {plan['drafter_why']}",
         f"  tree     {plan['tree']}",
         f"  rows     {plan['rows']} from {plan['input']}, " + (

@@ -272,12 +272,12 @@ def serve_drafter(decode):
 
 def serve_plan(settings: ServeSettings, decode, gpus: float, why: str) -> str:
     """The short plan `serve run` prints before replicas start."""
-    from mmspec_ray.batch.plan import describe_tree
+    from mmspec_ray.batch.plan import describe_tree, params_text
     from mmspec_ray.targets.layout import read_layout
 
     try:
         layout = read_layout(decode.target, decode.s3)
-        what = f"{layout.model_type}, {layout.parameters / 1e9:.2f} B parameters"
+        what = f"{layout.model_type}, {params_text(layout.parameters)} parameters"
     except (TargetError, OSError) as e:
         what = f"not readable here: {e}"
     device = decode.device if decode.device != "auto" else ("cuda" if gpus > 0 else "cpu")
