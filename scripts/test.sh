@@ -9,6 +9,7 @@ export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 .venv/bin/python -m pytest -q "$@"
 rc=$?
 [ "$rc" -eq 5 ] && rc=0
+[ "$rc" -eq 2 ] && exit "$rc"  # interrupted: no second pass
 ATEN_CPU_CAPABILITY=default .venv/bin/python -m pytest -q -m trained -p no:cacheprovider "$@"
 rc2=$?
 [ "$rc2" -eq 5 ] && rc2=0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -69,6 +70,8 @@ def test_gpus_auto_plans_one_gpu_per_actor_and_refuses_where_torch_has_no_cuda(g
                                                                                             drafter="ngram"))
     assert spec.gpus_per_actor == "auto" and resolve_gpus(spec) == 1.0
     assert resolve_gpus(spec.model_copy(update={"gpus_per_actor": 0.5})) == 0.5
+    cpu = spec.model_copy(update={"decode": spec.decode.model_copy(update={"device": "cpu"})})
+    assert resolve_gpus(cpu) == 0.0  # asked for CPU decoding: no GPU reserved
     with pytest.raises(JobInputError, match="offers GPUs to Ray, but torch .* sees no CUDA device.*"
                                             "--gpus-per-actor 0"):
         run_job(spec, dry_run=True)
@@ -162,6 +165,15 @@ def test_identity_is_the_same_wherever_the_checkpoint_is_copied_and_differs_for_
     model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
     processor.save_pretrained(tmp_path / "bf16")
     assert checkpoint_identity(str(tmp_path / "bf16")) == mine  # another dtype, another folder: the same model
+    sparse = tmp_path / "sparse"  # the same weights with a config that leaves a default out (as hub configs do)
+    shutil.copytree(ckpt, sparse)
+    cfg = json.loads((sparse / "config.json").read_text())
+    tc_default = type(load_target(ckpt).model.config.text_config)().to_dict()
+    dropped = next(k for k, v in cfg["text_config"].items() if k in tc_default and tc_default[k] == v and
+                   k not in ("model_type",))
+    del cfg["text_config"][dropped]
+    (sparse / "config.json").write_text(json.dumps(cfg))
+    assert checkpoint_identity(str(sparse)) == mine, dropped
     with torch.no_grad():
         next(model.parameters()).view(-1)[0] += 1.0  # a fine-tune of the same base
     model.save_pretrained(tmp_path / "tuned")
@@ -191,3 +203,12 @@ def test_auto_finds_a_drafter_in_an_s3_drafter_dir(ckpt, tmp_path, s3_server, mo
         s3_server.client.upload_file(str(f), bucket, f"team/llava-eagle2/{f.name}")
     choice = choose_drafter("auto", ckpt, (f"s3://{bucket}/team/",), s3=s3_server.s3_config)
     assert choice.spec == f"s3://{bucket}/team/llava-eagle2" and "held-out τ 1.10" in choice.why
+
+
+def test_a_checkpoint_without_safetensors_has_no_identity_and_still_loads_drafters(ckpt, tmp_path):
+    target = load_target(ckpt)
+    (tmp_path / "bin").mkdir()
+    shutil.copy(Path(ckpt) / "config.json", tmp_path / "bin" / "config.json")
+    target.checkpoint = str(tmp_path / "bin")  # as if loaded from pytorch_model.bin weights
+    assert target.identity is None and target.checkpoint is None
+    assert isinstance(Eagle2Drafter.random(target), Eagle2Drafter)

@@ -29,6 +29,8 @@ def resolve_gpus(spec: JobSpec) -> float:
     """GPUs per actor: `auto` is 1 where the cluster has GPUs (ray.cluster_resources), else 0; a number stays."""
     if spec.gpus_per_actor != "auto":
         return float(spec.gpus_per_actor)
+    if spec.decode.device.startswith("cpu"):  # asked for CPU decoding: reserve no GPU
+        return 0.0
     return 1.0 if float(ray.cluster_resources().get("GPU", 0.0)) > 0 else 0.0
 
 
@@ -102,7 +104,7 @@ def make_plan(spec: JobSpec, cfg: DecodeConfig, gpus: float, actor_cpus: float, 
     `todo` None: the output exists and a run would resume into it (a dry run does not read it)."""
     try:
         layout = check_loadable(cfg.target, cfg.s3)
-    except TargetError as e:
+    except (TargetError, OSError, ValueError, KeyError) as e:  # a malformed config.json or header, too
         raise JobInputError(f"target: {e}") from e
     need = memory_need(layout, cfg.dtype, cfg.max_new_tokens)
     have = check_memory(need, gpus, probe)

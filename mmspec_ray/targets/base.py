@@ -105,7 +105,12 @@ class VLMTarget:
         if self._identity is None and self.checkpoint is not None:
             from mmspec_ray.targets.layout import checkpoint_identity
 
-            self._identity = checkpoint_identity(self.checkpoint)
+            try:
+                self._identity = checkpoint_identity(self.checkpoint)
+            except (TargetError, OSError, ValueError, KeyError) as e:  # e.g. .bin weights: no safetensors headers
+                log.warning("checkpoint %s: identity unknown (%s); drafters are matched by shape only", self.checkpoint,
+                            e)
+                self.checkpoint = None
         return self._identity
 
     # ---------- model pieces drafters share ----------

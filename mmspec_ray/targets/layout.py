@@ -52,14 +52,31 @@ class CheckpointLayout:
         """The weights' size once loaded in a dtype of `dtype_bytes` bytes per element."""
         return self.parameters * dtype_bytes
 
+    def full_config(self) -> dict[str, Any]:
+        """The config with the model class's defaults filled in (a hub config may leave most of text_config out)."""
+        return normalised_config(self.config)
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Keys and values of one token over every decoder layer of the language model."""
-        tc = self.config.get("text_config") or self.config
-        layers = int(tc.get("num_hidden_layers", 0))
-        heads = int(tc.get("num_attention_heads", 1))
+        full = self.full_config()
+        tc = full.get("text_config") or full
+        layers = int(tc.get("num_hidden_layers") or 0)
+        heads = int(tc.get("num_attention_heads") or 1)
         kv = int(tc.get("num_key_value_heads") or heads)
-        head_dim = int(tc.get("head_dim") or int(tc.get("hidden_size", 0)) // max(1, heads))
+        head_dim = int(tc.get("head_dim") or int(tc.get("hidden_size") or 0) // max(1, heads))
         return 2 * layers * kv * head_dim * dtype_bytes
+
+
+def normalised_config(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` as transformers completes it (`AutoConfig.for_model`: every default written out, so a sparse hub
+    config and its re-saved copy agree); the raw dict where transformers does not know the model type."""
+    try:
+        from transformers import AutoConfig
+
+        fields = {k: v for k, v in config.items() if k != "model_type"}
+        return AutoConfig.for_model(config["model_type"], **fields).to_dict()
+    except Exception:  # an unknown model type or a config transformers rejects: hash what is there
+        return dict(config)
 
 
 class _Reader:
@@ -125,7 +142,15 @@ def read_layout(uri: str, s3: S3Config | None = None) -> CheckpointLayout:
     if "config.json" not in names:
         raise TargetError(f"checkpoint {uri} has no config.json; is this a save_pretrained directory?")
     config = json.loads(reader.read("config.json"))
-    shards = sorted(n for n in names if n.endswith(".safetensors"))
+    index = "model.safetensors.index.json"
+    if index in names:  # the shards the index names, not every safetensors file that happens to sit there
+        shards = sorted(set(json.loads(reader.read(index))["weight_map"].values()))
+        missing = sorted(set(shards) - set(names))
+        if missing:
+            raise TargetError(f"checkpoint {uri} is incomplete: missing weight shards {missing}")
+    else:
+        shards = [n for n in ("model.safetensors",) if n in names] or sorted(
+            n for n in names if n.endswith(".safetensors"))
     if not shards:
         raise TargetError(f"checkpoint {uri} has no safetensors weights (model.safetensors or its shards)")
     tensors: dict[str, TensorInfo] = {}
@@ -139,19 +164,20 @@ def read_layout(uri: str, s3: S3Config | None = None) -> CheckpointLayout:
 
 
 def checkpoint_identity(uri: str, s3: S3Config | None = None, layout: CheckpointLayout | None = None) -> str:
-    """A digest of what the checkpoint is: its config (without where or in which dtype it was saved) and every
-    tensor's name, shape and first values (rounded to bfloat16, so a float32 and a bfloat16 copy of the same weights
-    agree). The same wherever the checkpoint is copied; a fine-tune of the same base differs."""
+    """A digest of what the checkpoint is: its config as transformers completes it (without where or in which dtype
+    it was saved) and every tensor's shape and first values (rounded to bfloat16, so a float32 and a bfloat16 copy of
+    the same weights agree; names are left out, which transformers versions rename). The same wherever the
+    checkpoint is copied or re-saved; a fine-tune of the same base differs."""
     import torch
 
     layout = layout or read_layout(uri, s3)
     reader = _Reader(uri, s3)
     h = hashlib.sha256()
-    config = {k: v for k, v in layout.config.items() if k not in _VOLATILE}
+    config = {k: v for k, v in normalised_config(layout.config).items() if k not in _VOLATILE}
     for sub in ("text_config", "vision_config"):
         if isinstance(config.get(sub), dict):
             config[sub] = {k: v for k, v in config[sub].items() if k not in _VOLATILE}
-    h.update(json.dumps(config, sort_keys=True).encode())
+    h.update(json.dumps(config, sort_keys=True, default=str).encode())
     keys = sorted(layout.tensors)
     wanted: dict[str, list[str]] = {}
     for key in keys:
@@ -163,16 +189,15 @@ def checkpoint_identity(uri: str, s3: S3Config | None = None, layout: Checkpoint
         ranges = [(layout.tensors[k].start, min(SAMPLE, math.prod(layout.tensors[k].shape)) *
                    _BYTES[layout.tensors[k].dtype]) for k in names]
         raw_of.update(zip(names, reader.read_many(file, ranges)))
+    items = []  # (shape, sample) per tensor: names are left out, since transformers versions rename keys
     for key in keys:
         t = layout.tensors[key]
-        h.update(f"{key}|{t.shape}".encode())
-        if key not in raw_of:
-            continue
-        raw = raw_of[key]
+        raw = raw_of.get(key, b"")
         dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}.get(t.dtype)
-        if dtype is None:  # integer / fp8 tensors: their bytes as stored
-            h.update(raw)
-            continue
-        values = torch.frombuffer(bytearray(raw), dtype=dtype).float().to(torch.bfloat16)
-        h.update(values.view(torch.int16).numpy().tobytes())
+        if raw and dtype is not None:
+            raw = torch.frombuffer(bytearray(raw), dtype=dtype).float().to(torch.bfloat16).view(torch.int16).numpy()\
+                .tobytes()
+        items.append((str(t.shape).encode(), raw))
+    for shape, sample in sorted(items):
+        h.update(shape + b"|" + sample)
     return h.hexdigest()[:20]

@@ -25,40 +25,56 @@ class DataMix:
 
 
 def data_mix(uri: str, s3: S3Config | None = None) -> DataMix:
-    """Counts of video, image and text-only rows in a request parquet (local or s3://), from the media columns'
-    null counts (reads those columns only)."""
+    """Counts of video, image and text-only rows in a request parquet (local or s3://). The URI columns are read
+    (small); the inline media columns' nulls come from the row groups' statistics, so no media bytes are loaded
+    (where only statistics are known, a row with both an inline image and a clip may count as an image too)."""
+    import numpy as np
+
     from mmspec_ray.batch.storage import locate, parquet_files
 
     loc = locate(uri, s3 or S3Config.from_env())
-    rows = video = image = text = 0
+    rows = video = image = 0
     for f in parquet_files(loc):
         pf = pq.ParquetFile(f, filesystem=loc.fs)
-        names = set(pf.schema_arrow.names)
-        cols = [c for c in VIDEO + IMAGE if c in names]
-        table = pf.read(columns=cols) if cols else None
+        names = pf.schema_arrow.names
         n = pf.metadata.num_rows
-        has_video = has_image = None
-        for c in cols:
-            valid = table.column(c).is_valid()
-            if c in VIDEO:
-                has_video = valid if has_video is None else has_video.to_numpy() | valid.to_numpy()
+        masks: dict[str, np.ndarray | int] = {}
+        for col in [c for c in VIDEO + IMAGE if c in names]:
+            nulls = _null_count(pf, names.index(col)) if col in ("image", "video") else None
+            if nulls is not None:
+                masks[col] = n - nulls
             else:
-                has_image = valid if has_image is None else has_image.to_numpy() | valid.to_numpy()
-        v = _as_bool(has_video, n)
-        i = _as_bool(has_image, n) & ~v
-        rows += n
-        video += int(v.sum())
-        image += int(i.sum())
-        text += int((~v & ~i).sum())
-    return DataMix(rows, video, image, text)
+                masks[col] = np.asarray(pf.read(columns=[col]).column(col).is_valid().to_numpy(zero_copy_only=False),
+                                        dtype=bool)
+        v = _union([m for c, m in masks.items() if c in VIDEO], n)
+        i = _union([m for c, m in masks.items() if c in IMAGE], n)
+        v_rows = int(v.sum()) if isinstance(v, np.ndarray) else v
+        i_rows = int((i & ~v).sum()) if isinstance(i, np.ndarray) and isinstance(v, np.ndarray) else \
+            max(0, min(n - v_rows, int(i.sum()) if isinstance(i, np.ndarray) else i))
+        rows, video, image = rows + n, video + v_rows, image + i_rows
+    return DataMix(rows, video, image, rows - video - image)
 
 
-def _as_bool(mask, n: int):
+def _null_count(pf: pq.ParquetFile, col: int) -> int | None:
+    """Nulls of column `col` over every row group, from the statistics; None where a row group has none."""
+    total = 0
+    for g in range(pf.metadata.num_row_groups):
+        stats = pf.metadata.row_group(g).column(col).statistics
+        if stats is None or not stats.has_null_count:
+            return None
+        total += stats.null_count
+    return total
+
+
+def _union(masks: list, n: int):
+    """Rows with any of the given columns set: a bool array when every mask is one, else a row count."""
     import numpy as np
 
-    if mask is None:
+    if not masks:
         return np.zeros(n, dtype=bool)
-    return np.asarray(mask.to_numpy(zero_copy_only=False) if hasattr(mask, "to_numpy") else mask, dtype=bool)
+    if all(isinstance(m, np.ndarray) for m in masks):
+        return np.logical_or.reduce(masks)
+    return max(int(m.sum()) if isinstance(m, np.ndarray) else m for m in masks)
 
 
 def choose_method(mix: DataMix, sampled: bool, ray_train: bool) -> tuple[str, str]:

@@ -94,7 +94,11 @@ def train_drafter(method: str | TrainingMethod, target: VLMTarget, examples: lis
     text_examples = list(text_examples)
     m.check(list(examples))
     m.check(text_examples)
+    given = len(examples)
     examples, text_examples = m.select(target, list(examples), text_examples)
+    if given and not examples:
+        raise ValueError(f"{m.name} keeps none of the {given} multimodal examples (hivis trains on answers longer "
+                         "than its min_answer_words); give data with longer answers or choose another --method")
     stages = stage_schedule(m, cfg)
     pool = list(examples) + text_examples  # text items are indexed after the multimodal ones
     n_mm = len(examples)
