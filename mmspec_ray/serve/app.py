@@ -8,7 +8,6 @@ One replica = one target + one drafter decoding one request at a time (batch siz
 # the ingress class by value: helpers it calls live in other modules (a function defined below it is not found).
 import asyncio
 import hmac
-import json
 import logging
 import math
 import time
@@ -27,8 +26,8 @@ from mmspec_ray.config import SamplingParams
 from mmspec_ray.serve.errors import APIError, target_error
 from mmspec_ray.serve.messages import remote_media, to_request
 from mmspec_ray.serve.metrics import ServeMetrics
-from mmspec_ray.serve.protocol import ChatRequest, chunk_body, completion_body, completion_id, parse_request, \
-    spec_stats, sse_event, usage
+from mmspec_ray.serve.protocol import ChatRequest, chunk_body, completion_body, completion_id, decode_json, \
+    parse_request, spec_stats, sse_event, usage
 from mmspec_ray.serve.run import DecodeRun, drain
 from mmspec_ray.serve.settings import ServeSettings
 from mmspec_ray.serve.text import TextStream
@@ -142,10 +141,7 @@ class ChatServer:
             if size > limit:
                 raise APIError(413, f"request body is over this server's limit of {limit} bytes", code="too_large")
             body.append(chunk)
-        try:
-            return json.loads(b"".join(body))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise APIError(400, f"request body is not valid JSON ({e})", code="invalid_json") from e
+        return decode_json(b"".join(body))
 
     async def _start(self, req: ChatRequest) -> tuple[DecodeRun, Any]:
         """Check the request, decode its media, wait for the decoder and start decoding. A stream also waits for

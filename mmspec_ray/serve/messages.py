@@ -56,7 +56,8 @@ def to_request(messages: list[Any], settings: ServeSettings) -> Request:
 def remote_media(messages: list[Any]) -> bool:
     """True when some media part has a URL other than data: (fetching it is I/O)."""
     for m in messages:
-        for part in (m.get("content") if isinstance(m, Mapping) else None) or ():
+        content = m.get("content") if isinstance(m, Mapping) else None
+        for part in content if isinstance(content, list) else ():
             if isinstance(part, Mapping) and part.get("type") in MEDIA_PART_TYPES:
                 ref = part.get(part["type"])
                 url = ref.get("url") if isinstance(ref, Mapping) else ref

@@ -7,6 +7,7 @@ import time
 import uuid
 from typing import Any
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mmspec_ray.serve.errors import APIError
@@ -37,10 +38,17 @@ class ChatRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1, description="torch's seed range")
     n: int = Field(1, ge=1, le=1, description="one choice per request (batch-size-1 decoding)")
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v: float | None) -> float | None:
+        if v is not None and float(np.float32(v)) == 0.0:  # sampling runs in float32: it would be 0 there
+            raise ValueError(f"top_p {v!r} is zero in float32; use at least 1e-38")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -55,10 +63,51 @@ class ChatRequest(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
+def decode_json(raw: bytes) -> Any:
+    """The request body as JSON; anything undecodable (bad syntax or encoding, nesting too deep for the parser)
+    is a 400 `invalid_json`."""
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"request body is not valid JSON ({e})", code="invalid_json") from e
+    except RecursionError:
+        raise APIError(400, "request body is not valid JSON here: nested too deeply", code="invalid_json") from None
+
+
+def check_text(data: Any) -> None:
+    """Every string in the body must be encodable text: a lone surrogate (JSON's unpaired \\ud800) would reach
+    the tokenizer as a TypeError. Walks the body iteratively (any depth), naming the first bad field."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        where, v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                param = where or None
+                raise APIError(400, f"{where or 'body'}: text with a lone surrogate is not valid Unicode",
+                               param=param, code="invalid_value") from None
+        elif isinstance(v, dict):
+            stack += [(f"{where}.{k}" if where else str(k), x) for k, x in v.items()]
+        elif isinstance(v, list):
+            stack += [(f"{where}[{i}]", x) for i, x in enumerate(v)]
+
+
+def check_contents(messages: list[Any]) -> None:
+    """A message's content is a string, a list of parts or null: anything else (a number) is refused here."""
+    for i, m in enumerate(messages):
+        if isinstance(m, dict) and "content" in m and not isinstance(m["content"], (str, list, type(None))):
+            raise APIError(400, f"messages[{i}].content: expected a string or a list of content parts, got "
+                           f"{type(m['content']).__name__}", param=f"messages[{i}].content", code="invalid_value")
+
+
 def parse_request(data: Any) -> ChatRequest:
     """Validate a decoded JSON body; the first problem becomes a 400 naming its field."""
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_request")
+    check_text(data)
+    if isinstance(data.get("messages"), list):
+        check_contents(data["messages"])
     try:
         return ChatRequest.model_validate(data)
     except ValidationError as e:
