@@ -121,9 +121,10 @@ def serve_app(ckpt, s3_server):
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         bucket = s3_server.new_bucket("serve")
         serve.run(build_app(app_args(ckpt, s3_server.s3_config, api_key_env=KEY_ENV, deployment={
-            "ray_actor_options": {"num_cpus": 0.5}, "max_ongoing_requests": 2, "max_queued_requests": 64})),
+            "ray_actor_options": {"num_cpus": 0.5}, "max_ongoing_requests": 2, "max_queued_requests": 64},
+            fetch={"allow_s3_buckets": [bucket]})),
             name="main", route_prefix="/")
-        serve.run(build_app(app_args(ckpt, s3_server.s3_config, deployment={
+        serve.run(build_app(app_args(ckpt, s3_server.s3_config, fetch={"allow_s3_buckets": [bucket]}, deployment={
             "ray_actor_options": {"num_cpus": 0.5}, "max_ongoing_requests": 1, "max_queued_requests": 1})),
             name="tight", route_prefix="/tight")
         yield ServeApp(port=port, key=KEY, s3=s3_server, bucket=bucket, metrics_port=metrics_port)

@@ -112,10 +112,18 @@ def test_data_urls():
     assert _status(lambda: fetch_media("data:image/png,abc", "image", 99, "x", S3, FetchSettings()))[0] == 400
 
 
+def test_s3_media_only_from_allow_listed_buckets():
+    """A client cannot make the server read an object with the server's credentials outside the allow-list."""
+    for fetch in (FetchSettings(), FetchSettings(allow_s3_buckets=("public-media",))):
+        with pytest.raises(APIError) as e:
+            fetch_media("s3://private-bucket/secret.png", "image", 100, "x", S3, fetch)
+        assert (e.value.status, e.value.code) == (400, "invalid_url") and "allow_s3_buckets" in e.value.message
+
+
 def test_s3_unreachable_is_503_with_retry_after_and_no_store_address():
     fast = S3.model_copy(update={"retry_base_s": 0.01, "retry_max_s": 0.02})
     with pytest.raises(APIError) as e:
-        fetch_media("s3://bucket/a.png", "image", 100, "x", fast, FetchSettings())
+        fetch_media("s3://bucket/a.png", "image", 100, "x", fast, FetchSettings(allow_s3_buckets=("bucket",)))
     assert (e.value.status, e.value.code, e.value.headers) == (503, "media_unavailable", {"Retry-After": "5"})
     assert "127.0.0.1" not in e.value.message and "re-run" not in e.value.message
     assert e.value.body()["error"]["param"] == "x"

@@ -31,6 +31,11 @@ def fetch_media(url: str, kind: MediaKind, limit: int, where: str, s3: S3Config,
     if url.startswith("data:"):
         return _data_url(url, limit, where)
     if url.startswith("s3://"):
+        bucket = url[len("s3://"):].split("/", 1)[0]
+        if bucket not in fetch.allow_s3_buckets:
+            raise APIError(400, f"{where}: s3 bucket {bucket!r} is not in this server's allow-list for media URLs "
+                           "(fetch.allow_s3_buckets); send the media inline as a data: URL", param=where,
+                           code="invalid_url")
         return _s3(url, limit, where, s3)
     scheme = urlsplit(url).scheme.lower()
     if scheme in ("http", "https"):

@@ -23,12 +23,16 @@ DEFAULT_DEPLOYMENT: dict[str, Any] = {
 
 
 class FetchSettings(BaseModel):
-    """Plain http(s) media URLs: off unless hosts are listed; private, loopback and link-local addresses are
-    refused whatever the list says."""
+    """Media URLs a client may name: plain http(s) only for listed hosts (private, loopback and link-local addresses
+    refused whatever the list says), s3:// only in listed buckets, so no client makes the server read an object
+    with the server's own credentials that it could not read itself."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     allow_hosts: tuple[str, ...] = Field((), description="host names allowed in http(s) media URLs; empty = off")
+    allow_s3_buckets: tuple[str, ...] = Field((), description=(
+        "buckets whose objects clients may name as s3:// media URLs (read with the server's own credentials); "
+        "empty = s3:// media URLs refused"))
     timeout_s: float = Field(10.0, gt=0)
 
 
