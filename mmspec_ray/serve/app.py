@@ -110,7 +110,7 @@ class ChatServer:
             self._count(err.status, False)
             return err.response()
         except Exception as e:
-            log.error("decoding failed: %s: %s", type(e).__name__, e)
+            log.exception("decoding failed: %s: %s", type(e).__name__, e)
             self._count(500, False)
             return APIError(500, f"internal error while decoding: {type(e).__name__}").response()
         self._done(t0, run.first_at, gen, False)
@@ -201,7 +201,8 @@ class ChatServer:
             while True:
                 step = await run.next()
                 if step.error is not None:
-                    log.error("decoding failed mid-stream: %s: %s", type(step.error).__name__, step.error)
+                    log.error("decoding failed mid-stream: %s: %s", type(step.error).__name__, step.error,
+                              exc_info=step.error)
                     self._count(500, True)
                     err = APIError(500, f"internal error while decoding: {type(step.error).__name__}")
                     yield sse_event(err.body())
