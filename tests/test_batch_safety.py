@@ -225,6 +225,8 @@ def _malformed(tmp_path) -> dict:
           "dups/1.parquet")
     csv = tmp_path / "ann.csv"
     csv.write_text("label,youtube_id,time_start,time_end,split\nx,abc,notanumber,10,val\n")
+    neg = tmp_path / "neg.csv"
+    neg.write_text("label,youtube_id,time_start,time_end,split\nx,abc,0,10,val\ny,def,-5,10,val\n")
     return {
         "types disagree": ("instruct", ["--input", str(tmp_path / "types")], ["types/1.parquet", "'prompt'"]),
         "garbage parquet": ("instruct", ["--input", str(tmp_path / "garbage")], ["garbage/1.parquet"]),
@@ -238,11 +240,14 @@ def _malformed(tmp_path) -> dict:
                             ["nomedia.parquet", "image / image_uri"]),
         "bad csv value": ("caption_kinetics", ["--input", str(csv), "--clip-root", str(tmp_path)],
                           ["ann.csv", "'time_start'", "notanumber"]),
+        "negative time": ("caption_kinetics", ["--input", str(neg), "--clip-root", str(tmp_path)],
+                          ["neg.csv", "row 2", "time_start -5", "0 <= time_start <= time_end"]),
+        "no clip root": ("caption_kinetics", ["--input", str(csv)], ["error: ", "needs --clip-root"]),
     }
 
 
 @pytest.mark.parametrize("case", ["types disagree", "garbage parquet", "struct id", "no id", "duplicate ids",
-                                  "no media column", "bad csv value"])
+                                  "no media column", "bad csv value", "negative time", "no clip root"])
 def test_each_malformed_input_fails_up_front_in_one_line(tmp_path, capsys, ckpt, case):
     """Through the job CLI: exit code 2, one line naming the file and the column, no traceback, nothing written."""
     job, flags, named = _malformed(tmp_path)[case]

@@ -176,7 +176,10 @@ def plan(job: str, a: argparse.Namespace) -> tuple[JobSpec, pa.Table | None, str
             data["input"] = f"{world.examples(a.split)} (image rows)"
     elif job == "caption_kinetics" and data["input"].lower().endswith(".csv"):
         if not a.clip_root:
-            raise SystemExit("a Kinetics CSV input needs --clip-root (the folder of <youtube_id>_<start>_<end>.mp4)")
+            from mmspec_ray.batch.storage import JobInputError
+
+            raise JobInputError("a Kinetics CSV input needs --clip-root (the folder of "
+                                "<youtube_id>_<start:06d>_<end:06d>.mp4 clips, local or s3://)")
         s3 = S3Config.model_validate(dec["s3"]) if "s3" in dec else S3Config.from_env()
         table = kinetics_rows(data["input"], a.clip_root, dec["default_prompt"], s3)
         if data.get("output"):

@@ -41,6 +41,10 @@ def kinetics_rows(csv_uri: str, clip_root: str, prompt: str, s3: S3Config | None
                          f"(expected {','.join(KINETICS_COLUMNS)})")
     for name in ("time_start", "time_end"):
         t = t.set_column(t.column_names.index(name), name, _seconds(t.column(name), name, csv_uri))
+    for row, (start, end) in enumerate(zip(t.column("time_start").to_pylist(), t.column("time_end").to_pylist()), 1):
+        if start < 0 or end < start:
+            raise JobInputError(f"annotation CSV {csv_uri}: row {row} (after the header): time_start {start}, "
+                                f"time_end {end}: a clip needs 0 <= time_start <= time_end")
     root = clip_root.rstrip("/") if clip_root.startswith("s3://") else locate(clip_root, s3).path
     names = [clip_name(y, s, e) for y, s, e in zip(t.column("youtube_id").to_pylist(),
                                                    t.column("time_start").to_pylist(),
