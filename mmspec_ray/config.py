@@ -1,8 +1,9 @@
-"""Typed settings shared by every layer: sampling, S3 access, media limits."""
+"""Typed settings shared by every layer: sampling, S3 access, media limits, and where the project keeps its files."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -65,3 +66,9 @@ class MediaLimits(BaseModel):
     max_video_frames: int = 100_000
     max_video_seconds: float = 4 * 3600.0
     max_video_pixels: int = 200_000_000  # pixels of all frames kept from one clip (after scaling): ~600 MB RGB
+
+
+def mmspec_home() -> Path:
+    """`$MMSPEC_HOME` (default ~/.cache/mmspec): toy worlds, drafters, checkpoint mirrors, tree calibrations, and the
+    batch jobs' default outputs."""
+    return Path(os.environ.get("MMSPEC_HOME", Path.home() / ".cache" / "mmspec"))

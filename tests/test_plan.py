@@ -181,10 +181,12 @@ def test_identity_is_the_same_wherever_the_checkpoint_is_copied_and_differs_for_
 
 
 def test_serve_takes_a_gpu_per_replica_where_the_cluster_has_them_and_prints_its_plan(gpu_cluster, ckpt):
-    from mmspec_ray.serve.app import replica_gpus, serve_drafter, serve_plan
+    from mmspec_ray.batch.plan import auto_gpus
+    from mmspec_ray.serve.app import serve_drafter, serve_plan
     from mmspec_ray.serve.settings import ServeSettings
 
-    assert replica_gpus("auto") == 1.0 and replica_gpus(0.5) == 0.5 and replica_gpus(0) == 0.0
+    assert auto_gpus("auto", "auto") == 1.0 and auto_gpus(0.5, "auto") == 0.5 and auto_gpus(0, "cuda") == 0.0
+    assert auto_gpus("auto", "cpu") == 0.0  # a CPU decode device takes no GPU, as in the batch jobs
     settings = ServeSettings.model_validate({"decode": {"target": ckpt}})
     decode, why = serve_drafter(settings.decode)
     assert decode.drafter == "ngram" and "no drafter trained for this checkpoint" in why

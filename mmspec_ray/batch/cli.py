@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow as pa
 
 from mmspec_ray.batch.jobspec import CAPTION_PROMPT, DEFAULT_DRAFTER, DEFAULT_SPLIT, DEFAULT_TOY, JobSpec, merge
-from mmspec_ray.config import S3Config
+from mmspec_ray.config import S3Config, mmspec_home
 
 log = logging.getLogger("mmspec.batch")
 
@@ -142,7 +142,7 @@ def frames_default(target: str) -> int | None:
 def plan(job: str, a: argparse.Namespace) -> tuple[JobSpec, pa.Table | None, str | None]:
     """The JobSpec, for CSV or toy-world inputs the rows built in memory, and why its drafter was chosen."""
     from mmspec_ray.batch.sources import kinetics_rows, toy_rows
-    from mmspec_ray.toy.resolve import home, toy_world
+    from mmspec_ray.toy.resolve import toy_world
 
     data: dict[str, Any] = {}
     if a.config:
@@ -192,7 +192,7 @@ def plan(job: str, a: argparse.Namespace) -> tuple[JobSpec, pa.Table | None, str
         if target_name == "target":  # a toy world's checkpoint folder: name the world instead
             target_name = Path(dec["target"].rstrip("/")).parent.name
         drafter = Path(str(dec.get("drafter") or DEFAULT_DRAFTER).rstrip("/")).name
-        data["output"] = str(home() / "batch" / f"{job}-{target_name}-{drafter}")
+        data["output"] = str(mmspec_home() / "batch" / f"{job}-{target_name}-{drafter}")
     return JobSpec.model_validate(data), table, why
 
 

@@ -25,13 +25,19 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PROBE_TIMEOUT_S = 180.0
 
 
-def resolve_gpus(spec: JobSpec) -> float:
-    """GPUs per actor: `auto` is 1 where the cluster has GPUs (ray.cluster_resources), else 0; a number stays."""
-    if spec.gpus_per_actor != "auto":
-        return float(spec.gpus_per_actor)
-    if spec.decode.device.startswith("cpu"):  # asked for CPU decoding: reserve no GPU
+def auto_gpus(gpus: float | str, device: str) -> float:
+    """GPUs per decoder (batch actor or Serve replica): a number stays; `auto` is 1 where the connected Ray cluster
+    has GPUs (ray.cluster_resources) and the decode device is not the CPU, else 0."""
+    if gpus != "auto":
+        return float(gpus)
+    if device.startswith("cpu") or not ray.is_initialized():
         return 0.0
     return 1.0 if float(ray.cluster_resources().get("GPU", 0.0)) > 0 else 0.0
+
+
+def resolve_gpus(spec: JobSpec) -> float:
+    """GPUs per actor of a batch job (`auto_gpus`)."""
+    return auto_gpus(spec.gpus_per_actor, spec.decode.device)
 
 
 @ray.remote(num_cpus=0)

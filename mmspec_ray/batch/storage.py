@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 from pyarrow import fs as pafs
 
 from mmspec_ray.config import S3Config
-from mmspec_ray.media.io import s3_filesystem
+from mmspec_ray.media.io import filesystem_for
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +49,8 @@ class Location:
 
 def locate(uri: str, s3: S3Config) -> Location:
     """Local path / file:// URI / s3://bucket/key -> Location (S3 with the explicit endpoint from `s3`)."""
-    if uri.startswith("s3://"):
-        key = uri[len("s3://"):].rstrip("/")
-        if not key:
-            raise ValueError(f"{uri!r} names no bucket")
-        return Location(uri, s3_filesystem(s3), key)
-    path = uri[len("file://"):] if uri.startswith("file://") else uri
-    path = os.path.abspath(os.path.expanduser(path))
-    return Location(path, pafs.LocalFileSystem(), path)
+    filesystem, path = filesystem_for(uri, s3)
+    return Location(uri if uri.startswith("s3://") else path, filesystem, path)
 
 
 def exists(loc: Location) -> bool:

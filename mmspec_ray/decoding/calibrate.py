@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel
 
+from mmspec_ray.config import mmspec_home
 from mmspec_ray.decoding.tree import DraftTree, TreeConfig, depths
 
 log = logging.getLogger(__name__)
@@ -244,7 +245,7 @@ def calibration_dir() -> Path:
     """$MMSPEC_CALIBRATION_DIR, else $MMSPEC_HOME/calibration (the test suite keeps its own)."""
     if os.environ.get("MMSPEC_CALIBRATION_DIR"):
         return Path(os.environ["MMSPEC_CALIBRATION_DIR"])
-    return Path(os.environ.get("MMSPEC_HOME", Path.home() / ".cache" / "mmspec")) / "calibration"
+    return mmspec_home() / "calibration"
 
 
 def weights_stamp(path: str) -> str:

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmspec_ray.config import S3Config
+from mmspec_ray.config import S3Config, mmspec_home
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +31,7 @@ class DrafterChoice:
 
 def home_drafters() -> str:
     """$MMSPEC_HOME/drafters: where `--drafter auto` always looks."""
-    return str(Path(os.environ.get("MMSPEC_HOME", Path.home() / ".cache" / "mmspec")) / "drafters")
+    return str(mmspec_home() / "drafters")
 
 
 def _tau(history: object) -> float | None:
@@ -51,13 +50,9 @@ def scan(folder: str, s3: S3Config | None = None) -> list[FoundDrafter]:
     one. A folder that does not exist holds none."""
     from pyarrow import fs
 
-    if folder.startswith("s3://"):
-        from mmspec_ray.media.io import s3_filesystem
+    from mmspec_ray.media.io import filesystem_for
 
-        filesystem, root = s3_filesystem(s3 or S3Config.from_env()), folder[len("s3://"):].rstrip("/")
-    else:
-        filesystem = fs.LocalFileSystem()
-        root = os.path.abspath(os.path.expanduser(folder[len("file://"):] if folder.startswith("file://") else folder))
+    filesystem, root = filesystem_for(folder, s3)
     try:
         infos = filesystem.get_file_info(fs.FileSelector(root, recursive=False, allow_not_found=True))
     except OSError as e:

@@ -27,6 +27,20 @@ def s3_filesystem(cfg: S3Config):  # -> pyarrow.fs.S3FileSystem
     return fs.S3FileSystem(**kwargs)
 
 
+def filesystem_for(uri: str, s3: S3Config | None = None):  # -> (pyarrow.fs.FileSystem, path in it)
+    """A local path, file:// URI or s3://bucket/key as the pyarrow filesystem and the path it names there (local
+    paths absolute, S3 with the explicit endpoint of `s3`, default: from the environment)."""
+    from pyarrow import fs
+
+    if uri.startswith("s3://"):
+        key = uri[len("s3://"):].rstrip("/")
+        if not key:
+            raise ValueError(f"{uri!r} names no bucket")
+        return s3_filesystem(s3 or S3Config.from_env()), key
+    path = uri[len("file://"):] if uri.startswith("file://") else uri
+    return fs.LocalFileSystem(), os.path.abspath(os.path.expanduser(path))
+
+
 def read_bytes(source: str, limits: MediaLimits | None = None, s3: S3Config | None = None) -> bytes:
     """Return the bytes at `source`, refusing anything over `limits.max_bytes`."""
     limits = limits or MediaLimits()

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve import Application
 
+from mmspec_ray.batch.plan import auto_gpus
 from mmspec_ray.batch.decoder import SpecDecoder
 from mmspec_ray.config import SamplingParams
 from mmspec_ray.serve.errors import APIError, target_error
@@ -245,15 +246,6 @@ class ChatServer:
         self.metrics.request(status, stream)
 
 
-def replica_gpus(gpus: "float | str") -> float:
-    """GPUs per replica: `auto` is 1 where the Ray cluster has GPUs, else 0."""
-    if gpus != "auto":
-        return float(gpus)
-    import ray
-
-    return 1.0 if ray.is_initialized() and float(ray.cluster_resources().get("GPU", 0.0)) > 0 else 0.0
-
-
 def serve_drafter(decode):
     """(decode with drafter auto made concrete where it is cheap, why): a checkpoint's drafter is found here once
     by its identity; a toy world's shipped drafter stays `auto` (the replica trains it on first start)."""
@@ -299,8 +291,8 @@ def build_app(args: dict[str, Any]) -> Application:
     decode = settings.decode.model_copy(update={"target": resolve_target(settings.decode.target)})
     options = settings.deployment_options()
     actor = dict(options.get("ray_actor_options") or {})
-    if "num_gpus" not in actor:  # resources follow the cluster, as the batch jobs' do (a CPU device takes none)
-        actor["num_gpus"] = 0.0 if decode.device == "cpu" else replica_gpus(settings.gpus_per_replica)
+    if "num_gpus" not in actor:  # resources follow the cluster, as the batch jobs' do
+        actor["num_gpus"] = auto_gpus(settings.gpus_per_replica, decode.device)
         options = {**options, "ray_actor_options": actor}
     decode, why = serve_drafter(decode)
     print(serve_plan(settings, decode, float(actor.get("num_gpus") or 0.0), why), flush=True)

@@ -10,7 +10,6 @@ import json
 import math
 import struct
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from mmspec_ray.config import S3Config
@@ -83,25 +82,18 @@ class _Reader:
     """Byte ranges of the checkpoint's files, local or on S3."""
 
     def __init__(self, uri: str, s3: S3Config | None) -> None:
-        self.uri = uri.rstrip("/")
-        self.s3 = None
-        if uri.startswith("s3://"):
-            from mmspec_ray.media.io import s3_filesystem
+        from mmspec_ray.media.io import filesystem_for
 
-            self.s3 = s3_filesystem(s3 or S3Config.from_env())
-            self.key = self.uri[len("s3://"):]
-        else:
-            self.root = Path(uri[len("file://"):] if uri.startswith("file://") else uri).expanduser()
+        self.uri = uri.rstrip("/")
+        self.fs, self.root = filesystem_for(uri, s3)
 
     def names(self) -> list[str]:
-        if self.s3 is None:
-            if not self.root.is_dir():
-                raise TargetError(f"checkpoint {self.uri} does not exist or is not a directory")
-            return sorted(p.name for p in self.root.iterdir() if p.is_file())
         from pyarrow import fs
 
         try:
-            infos = self.s3.get_file_info(fs.FileSelector(self.key, recursive=False, allow_not_found=True))
+            if self.fs.get_file_info(self.root).type != fs.FileType.Directory:
+                raise TargetError(f"checkpoint {self.uri} does not exist or is not a directory")
+            infos = self.fs.get_file_info(fs.FileSelector(self.root, recursive=False, allow_not_found=True))
         except OSError as e:
             raise TargetError(f"cannot list {self.uri}: {e}") from e
         return sorted(i.base_name for i in infos if i.type == fs.FileType.File)
@@ -111,8 +103,7 @@ class _Reader:
 
     def read_many(self, name: str, ranges: list[tuple[int, int | None]]) -> list[bytes]:
         """Several byte ranges of one file, opened once (one S3 object handle for all of a shard's tensors)."""
-        f = open(self.root / name, "rb") if self.s3 is None else self.s3.open_input_file(f"{self.key}/{name}")
-        with f:
+        with self.fs.open_input_file(f"{self.root}/{name}") as f:
             out = []
             for start, length in ranges:
                 f.seek(start)

@@ -6,13 +6,12 @@ import hashlib
 import importlib
 import json
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from mmspec_ray.config import S3Config
+from mmspec_ray.config import S3Config, mmspec_home
 from mmspec_ray.targets.base import TargetError, VLMTarget
 from mmspec_ray.targets.layout import CheckpointLayout, read_layout
 
@@ -177,7 +176,7 @@ def check_checkpoint(path: Path) -> None:
 
 
 def checkpoint_cache() -> Path:
-    home = Path(os.environ.get("MMSPEC_HOME", Path.home() / ".cache" / "mmspec"))
+    home = mmspec_home()
     return home / "checkpoints"
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -20,6 +19,7 @@ import pyarrow.parquet as pq
 import torch
 from transformers import LlavaForConditionalGeneration
 
+from mmspec_ray.config import mmspec_home  # noqa: F401 (also imported from here)
 from mmspec_ray.toy.grow import grow_llava
 from mmspec_ray.toy.clips import Clip, sample_clip
 from mmspec_ray.toy.media_jobs import encode_media, load_pixels, parallel_map
@@ -33,10 +33,6 @@ from mmspec_ray.toy.train import ClipLabels, make_items, pack_items, pretrain_vi
 log = logging.getLogger(__name__)
 SPLITS = ("train", "validation", "test")
 BUILD_VERSION = 5  # bump when the data or model recipe changes, to invalidate caches
-
-
-def mmspec_home() -> Path:
-    return Path(os.environ.get("MMSPEC_HOME", Path.home() / ".cache" / "mmspec"))
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,3 @@ def toy_world(name: str):
     from mmspec_ray.toy.build import build_toy
 
     return build_toy(name)
-
-
-def home():
-    """`$MMSPEC_HOME` (default ~/.cache/mmspec): where worlds, drafters, calibrations and default outputs live."""
-    from mmspec_ray.toy.build import mmspec_home
-
-    return mmspec_home()
