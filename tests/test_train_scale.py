@@ -157,16 +157,23 @@ def test_train_drafter_for_a_saved_checkpoint_from_s3_on_ray_data_and_ray_train(
     assert again["history"]["history"] == hist["history"] and again["examples"] == summary["examples"]
     assert s3_server.client.get_object(Bucket=bucket, Key="drafters/eagle2/model.safetensors")["Body"].read() == before
 
-    # another method trains from the same shards on Ray Train (nothing answered again): MSD's two-stage schedule
-    # reads the text-only rows in its first epoch; methods that need the target while training are refused by name
-    msd = job.model_copy(update={"method": "msd", "out": f"s3://{bucket}/drafters/msd",
-                                 "train": job.train.model_copy(update={"epochs": 2})})
-    res = run_train_job(msd)
-    assert res["examples"] == manifest["examples"] and [h["epoch"] for h in res["history"]["history"]] == [1, 2]
-    assert [h["multimodal_share"] for h in res["history"]["history"]] == [0.0, 1.0]
-    for method in ("hivis", "specflash"):
-        with pytest.raises(ValueError, match=f"{method} needs the target while training"):
-            run_train_job(msd.model_copy(update={"method": method}))
+    # every other method trains from the same shards on Ray Train (nothing answered again): MSD's and ViSpec's
+    # two-stage schedules read the text-only rows first; SpecFLASH and ViSpec cut media by the segments stored with
+    # each example, HiViS trains on the selection made where the target is loaded (workers never load it)
+    two = job.train.model_copy(update={"epochs": 2})
+    trained = {"eagle2": summary}
+    for method in ("msd", "vispec", "hivis", "specflash"):
+        res = run_train_job(job.model_copy(update={"method": method, "out": f"s3://{bucket}/drafters/{method}",
+                                                   "train": two.model_copy(update={"epochs": 3}) if method == "vispec"
+                                                   else two}))
+        assert res["examples"] == manifest["examples"] and res["trainer"] == "ray-train", (method, res)
+        hist_m = res["history"]["history"]  # (a two-stage epoch has min(text, multimodal) = 2 items here: a worker
+        assert all(h["workers"] == 2 for h in hist_m) and any(h["steps"] for h in hist_m), (method, hist_m)  # may get none)
+        trained[method] = res
+    assert [h["multimodal_share"] for h in trained["msd"]["history"]["history"]] == [0.0, 1.0]
+    assert [h["multimodal_share"] for h in trained["vispec"]["history"]["history"]] == [0.0, 1.0, 1.0]
+    init = json.loads(s3_server.client.get_object(Bucket=bucket, Key="work/init/selection.json")["Body"].read())
+    assert sorted(init) == sorted(manifest["shards"])  # hivis's selection (the last one made): one entry per shard
 
     # the drafter on S3 loads by its URI (endpoint from the environment, as a user sets it) and decodes exactly as
     # the target alone: HF generate, greedy
@@ -175,7 +182,7 @@ def test_train_drafter_for_a_saved_checkpoint_from_s3_on_ray_data_and_ray_train(
     drafter = load_drafter(job.out, target)
     assert isinstance(drafter, Eagle2Drafter)
     engines = [SpecEngine(target, load_drafter(f"s3://{bucket}/drafters/{m}", target),
-                          TreeConfig(top_k=4, depth=3, total_tokens=12)) for m in ("eagle2", "msd")]
+                          TreeConfig(top_k=4, depth=3, total_tokens=12)) for m in trained]
     for i, img in enumerate(random_images(4, seed=77)):
         req = Request(prompt=f"describe the image {i}", images=(img,))
         inputs = target.encode(req)

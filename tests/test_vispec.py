@@ -12,11 +12,10 @@ import pytest
 import torch
 
 from mmspec_ray.drafters.base import load_drafter
-from mmspec_ray.drafters.vispec import (ViSpecConfig, ViSpecDrafter, ViSpecHead, entry_spans, media_runs_of,
-                                        pieces_of)
+from mmspec_ray.drafters.vispec import ViSpecConfig, ViSpecDrafter, ViSpecHead, entry_spans, media_runs_of
 from mmspec_ray.decoding.tree import TreeConfig
 from mmspec_ray.targets import Request, wrap
-from mmspec_ray.targets.base import TargetOutput
+from mmspec_ray.targets.base import TargetOutput, pieces_of
 from mmspec_ray.toy.prompts import at_length
 from mmspec_ray.training.datagen import DatagenRecipe, generate_features, load_features
 from mmspec_ray.training.methods import ViSpecMethod, training_method

@@ -28,6 +28,7 @@ from torch import nn
 
 from mmspec_ray.drafters.base import register_drafter
 from mmspec_ray.drafters.eagle import Eagle2Config, Eagle2Drafter, Eagle2Head
+from mmspec_ray.targets.base import pieces_of
 from mmspec_ray.drafters.layers import rms_normalise
 
 if TYPE_CHECKING:
@@ -90,16 +91,6 @@ def entry_spans(pieces: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """Media pieces in token positions [a, b) -> the drafter entries they cover, [a-1, b-1) (entry j holds the
     embedding of token j+1); a piece at token 0 loses its first token (no entry holds it)."""
     return [(max(0, a - 1), b - 1) for a, b in pieces if b - 1 > max(0, a - 1)]
-
-
-def pieces_of(segments: torch.Tensor) -> list[tuple[int, int]]:
-    """`TargetOutput.media_segments[0]` ([n], piece index or -1) -> (start, end) of each piece, in order."""
-    seg = segments.tolist()
-    out: dict[int, list[int]] = {}
-    for i, s in enumerate(seg):
-        if s >= 0:
-            out.setdefault(s, [i, i + 1])[1] = i + 1
-    return [tuple(v) for _, v in sorted(out.items())]
 
 
 class ViSpecHead(Eagle2Head):

@@ -46,6 +46,16 @@ def segment_ids(n: int, pieces: list[tuple[int, int]], device: torch.device | st
     return seg
 
 
+def pieces_of(segments: torch.Tensor) -> list[tuple[int, int]]:
+    """`segment_ids(...)[0]` ([n], piece index or -1) -> (start, end) of each piece, in order."""
+    seg = segments.tolist()
+    out: dict[int, list[int]] = {}
+    for i, s in enumerate(seg):
+        if s >= 0:
+            out.setdefault(s, [i, i + 1])[1] = i + 1
+    return [tuple(v) for _, v in sorted(out.items())]
+
+
 def id_set(src: int | list[int] | tuple[int, ...] | None) -> set[int]:
     """A config's token id field (an id, a list of ids or None) as a set."""
     return set() if src is None else set(src) if isinstance(src, (list, tuple)) else {src}

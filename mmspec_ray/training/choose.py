@@ -1,8 +1,8 @@
 """`--method auto`: which drafter method to train for a data set, from what the rows hold (video, images, text
-only), whether answers are sampled, and whether the run is on Ray Train, by the project's own measurements (toy-m
-on a 2-core CPU, docs/benchmarks.md): HiViS fastest at temperature 0 on images and long answers (1.76x pooled,
-2.20x long), MSD on video captions (1.13x, where HiViS gave 0.94x), ViSpec at temperature 1 (1.57x), EAGLE-2 the
-fastest of the methods Ray Train takes (1.30x) and the one for text-only data."""
+only) and whether answers are sampled, by the project's own measurements (toy-m on a 2-core CPU,
+docs/benchmarks.md): HiViS fastest at temperature 0 on images and long answers (1.76x pooled, 2.20x long), MSD on
+video captions (1.13x, where HiViS gave 0.94x), ViSpec at temperature 1 (1.57x), EAGLE-2 for text-only data. Every
+method trains on both trainers (single-process and Ray Train)."""
 
 from __future__ import annotations
 
@@ -77,11 +77,8 @@ def _union(masks: list, n: int):
     return max(int(m.sum()) if isinstance(m, np.ndarray) else m for m in masks)
 
 
-def choose_method(mix: DataMix, sampled: bool, ray_train: bool) -> tuple[str, str]:
-    """(method, why) for data of this mix; `sampled`: the answers will be sampled (temperature > 0);
-    `ray_train`: the run uses Ray Train, which takes only methods that do not read the target while training."""
-    from mmspec_ray.training.methods import training_method
-
+def choose_method(mix: DataMix, sampled: bool) -> tuple[str, str]:
+    """(method, why) for data of this mix; `sampled`: the answers will be sampled (temperature > 0)."""
     share = (lambda k: k / mix.rows if mix.rows else 0.0)
     facts = f"{mix.rows} rows: {share(mix.video):.0%} video, {share(mix.image):.0%} image, {share(mix.text):.0%} text"
     if share(mix.text) >= 0.5:
@@ -93,8 +90,4 @@ def choose_method(mix: DataMix, sampled: bool, ray_train: bool) -> tuple[str, st
     else:
         method, why = "hivis", "images at temperature 0: HiViS measured fastest (1.76x pooled, 2.20x on long answers; " \
                                "toy-m)"
-    if ray_train and training_method(method).reads_target:
-        why += f"; {method} needs the target while training, which Ray Train workers do not load, so eagle2, the " \
-               "fastest method Ray Train takes (1.30x; toy-m)"
-        method = "eagle2"
     return method, f"{facts}; {why}"

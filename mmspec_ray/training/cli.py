@@ -83,11 +83,11 @@ def job_from_args(a: argparse.Namespace, target: str) -> "TrainJob":
 
 def auto_method(a: argparse.Namespace) -> str:
     """`--method auto`: the method for the data in --data (its video / image / text-only rows), the answer
-    temperature and the trainer (`training.choose`); prints why."""
+    temperature (`training.choose`); prints why."""
     from mmspec_ray.training.choose import choose_method, data_mix
 
     mix = data_mix(a.data)
-    method, why = choose_method(mix, sampled=bool(a.answer_temperature), ray_train=bool(a.num_workers))
+    method, why = choose_method(mix, sampled=bool(a.answer_temperature))
     print(f"method auto: {method} ({why})", flush=True)
     return method
 

@@ -1,5 +1,6 @@
 """Drafter training data: the target answers each prompt itself, then one teacher-forced target forward over
-prompt + answer records its features (last post-norm hidden state) and input embeddings (media merged in).
+prompt + answer records its features (last post-norm hidden state), input embeddings (media merged in) and media
+segments (each image / frame / temporal group, cut as the target cuts it when a drafter drafts).
 
 Regenerating answers with the target (rather than using a data set's own answers) makes the drafter learn the
 distribution it will actually be asked to predict.
@@ -78,8 +79,9 @@ def featurize(target: VLMTarget, request: Request, answer: list[int], recipe: Da
     if layers:
         mid = intermediate_features({i: e[0] for i, e in out.attention_entropy.items()},
                                     {i: out.layers[i + 1][0] for i in layers})[0].to(dt).cpu()
+    segments = None if out.media_segments is None else out.media_segments[0].to(torch.int32).cpu()
     return FeatureExample(out.input_ids[0].cpu(), out.hidden[0].to(dt).cpu(), out.inputs_embeds[0].to(dt).cpu(),
-                          n_prompt, out.media_mask[0].cpu(), mid)
+                          n_prompt, out.media_mask[0].cpu(), mid, segments)
 
 
 def generate_features(target: VLMTarget, requests: Iterable[Request], recipe: DatagenRecipe, out_dir: str | Path,

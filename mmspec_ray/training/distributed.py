@@ -26,7 +26,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.pt"
 HEAD_INIT_FILE = "head_init.safetensors"
+SELECTION_FILE = "selection.json"
 
 
 class DistributedConfig(BaseModel):
@@ -63,6 +64,21 @@ class HeadInit(BaseModel):
     method: str
     head_config: dict[str, Any]
     lm_head_path: str  # safetensors with "weight" [V, d]; local path visible to every worker or s3://
+    selection_path: str | None = None  # JSON: shard name -> the method's `shard_selection` (methods that `select`)
+
+
+def selected_manifest(manifest: dict[str, Any], selection: dict[str, dict[str, Any]] | None) -> dict[str, Any]:
+    """The manifest with each shard's counts as the method's data selection leaves them (so every worker plans its
+    steps on the examples it will really read)."""
+    if selection is None:
+        return manifest
+    names = manifest["shards"]
+    missing = [n for n in names if n not in selection]
+    if missing:
+        raise ValueError(f"the data selection has no entry for shard(s) {missing[:3]}: it was made from other "
+                         "features; re-run the job to make it again")
+    return {**manifest, "examples_per_shard": [len(selection[n]["keep"]) for n in names],
+            "multimodal_per_shard": [selection[n]["multimodal"] for n in names]}
 
 
 def worker_shards(n_shards: int, rank: int, world: int, epoch: int, seed: int) -> list[int]:
@@ -133,11 +149,12 @@ def check_plan(manifest: dict[str, Any], cfg: TrainConfig, world: int) -> None:
         raise ValueError(f"batch size {cfg.batch_size} does not split over {world} workers; use a multiple of it")
 
 
-def local_batches(store: ShardStore, manifest: dict[str, Any], stages: StageSchedule, cfg: TrainConfig,
-                  epoch: int, rank: int, world: int, local_bs: int) -> Iterator[tuple[list[FeatureExample],
-                                                                                   list[int]]]:
-    """Endless (pool, batch indices) of this worker in `epoch` (0-indexed), one shard in memory at a time: its own
-    shards in order (again, reshuffled, only if it runs out before the epoch's last step)."""
+def local_batches(load: Callable[[str], list[FeatureExample]], manifest: dict[str, Any], stages: StageSchedule,
+                  cfg: TrainConfig, epoch: int, rank: int, world: int,
+                  local_bs: int) -> Iterator[tuple[list[FeatureExample], list[int]]]:
+    """Endless (pool, batch indices) of this worker in `epoch` (0-indexed), one shard in memory at a time (`load`:
+    shard name -> its examples, as the method's selection keeps them): its own shards in order (again, reshuffled,
+    only if it runs out before the epoch's last step)."""
     keeps = shard_keeps(manifest, stages, epoch + 1)
     mine = [s for s in worker_shards(len(keeps), rank, world, epoch, cfg.seed) if sum(keeps[s])]
     if not mine:
@@ -145,7 +162,7 @@ def local_batches(store: ShardStore, manifest: dict[str, Any], stages: StageSche
     for pass_no in itertools.count():
         for s in mine:
             rng = np.random.default_rng([cfg.seed, epoch, s, pass_no, rank])
-            pool = store.load_shard(manifest["shards"][s])
+            pool = load(manifest["shards"][s])
             mm = [i for i, ex in enumerate(pool) if ex.multimodal]
             text = [i for i, ex in enumerate(pool) if not ex.multimodal]
             k_mm, k_text = keeps[s]
@@ -184,6 +201,13 @@ def _broadcast_params(head: torch.nn.Module) -> None:
         dist.broadcast(p.data, src=0)
 
 
+def read_selection(path: str | None, s3: S3Config) -> dict[str, dict[str, Any]] | None:
+    if path is None:
+        return None
+    parent, name = path.rsplit("/", 1)
+    return json.loads(ShardStore(parent, s3).read(name))
+
+
 def _load_lm_head(path: str, s3: S3Config, device: torch.device) -> torch.Tensor:
     from safetensors.torch import load
 
@@ -207,7 +231,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if config["use_gpu"] else torch.device("cpu")
     m = training_method(init.method)
     store = ShardStore(config["data"], s3)
-    manifest = store.manifest()
+    selection = read_selection(init.selection_path, s3)
+    manifest = selected_manifest(store.manifest(), selection)
+
+    def load(name: str) -> list[FeatureExample]:
+        pool = store.load_shard(name)
+        return pool if selection is None else m.apply_selection(pool, selection[name])
     stages = stage_schedule(m, cfg)
     check_plan(manifest, cfg, world)
     local_bs = cfg.batch_size // world
@@ -236,7 +265,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         m.begin_epoch(head, epoch + 1, cfg)
         gen = torch.Generator().manual_seed(cfg.seed * 100_003 + epoch * 1_009 + rank)
         sums: dict[str, float] = {"loss": 0.0}
-        batches = local_batches(store, manifest, stages, cfg, epoch, rank, world, local_bs)
+        batches = local_batches(load, manifest, stages, cfg, epoch, rank, world, local_bs)
         steps = steps_of[epoch]
         if not steps:
             log.warning("epoch %d: some worker has no examples this epoch (tiny data set); no step taken", epoch + 1)

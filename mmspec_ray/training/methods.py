@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -64,6 +64,20 @@ def eagle_collate(examples: list[FeatureExample], idx: list[int], noise: float,
     return {"emb": emb, "feat": feat, "tgt": tgt, "loss_mask": loss_mask, "valid": valid, "visual": visual}
 
 
+def example_pieces(ex: FeatureExample, target: "VLMTarget | None") -> list[tuple[int, int]]:
+    """An example's images / frames / temporal groups, as stored at data generation (cut as the target cuts them
+    when a drafter drafts); examples stored before they carried segments are cut from their ids by the target (a
+    clip then stays one piece on families that cut clips by their frame grid)."""
+    pieces = ex.pieces()
+    if pieces is not None:
+        return pieces
+    if target is None:
+        raise ValueError("these training features were stored without their media segments, which a media-aware "
+                         "method needs when the target is not loaded (Ray Train workers); regenerate them (a new "
+                         "--work) or train with --num-workers 0")
+    return target.media_pieces(ex.input_ids)
+
+
 class TrainingMethod:
     """EAGLE-2 (the base every feature-level method extends): fc + one layer, EAGLE losses, one stage."""
 
@@ -72,7 +86,8 @@ class TrainingMethod:
     answer_temperature: ClassVar[float] = 0.0  # how the target answers training prompts (0: greedy, the default)
     long_answers: ClassVar[bool] = False  # toy world: train on the prompts rewritten to ask for long answers (ViSpec)
     direct_stage2: ClassVar[bool] = False  # a two-stage run enters stage 2 at once, whatever TrainConfig.gradual
-    reads_target: ClassVar[bool] = False  # needs the target while training (data selection, collate): not on Ray Train
+    selects: ClassVar[bool] = False  # `select` filters with the target: streamed training gets it per shard
+    cuts_media: ClassVar[bool] = False  # collate cuts media into images / frames (`example_pieces`)
     head_class: ClassVar[type[Eagle2Head]] = Eagle2Head
     drafter_class: ClassVar[type[Eagle2Drafter]] = Eagle2Drafter
     mixes_text: ClassVar[bool] = False  # every epoch holds the text-only pool too (StageSchedule.mixed)
@@ -96,6 +111,24 @@ class TrainingMethod:
                text_examples: list[FeatureExample]) -> tuple[list[FeatureExample], list[FeatureExample]]:
         """The (multimodal, text-only) examples this method trains on, once per run: all of them by default."""
         return examples, text_examples
+
+    def shard_selection(self, target: "VLMTarget", pool: list[FeatureExample]) -> dict[str, Any]:
+        """`select` on one shard's examples, as indices into it (`keep`, its `multimodal` count, and `marked`: the
+        kept examples a later stage leaves out). Streamed training computes it where the target is loaded; workers,
+        which never load the target, apply it with `apply_selection`."""
+        kept_mm, kept_text = self.select(target, [e for e in pool if e.multimodal],
+                                         [e for e in pool if not e.multimodal])
+        kept = {id(e) for e in (*kept_mm, *kept_text)}
+        keep = [i for i, e in enumerate(pool) if id(e) in kept]
+        return {"keep": keep, "multimodal": sum(pool[i].multimodal for i in keep), "marked": self.marked(pool, keep)}
+
+    def marked(self, pool: list[FeatureExample], keep: list[int]) -> list[int]:
+        """Of the kept examples, those `select` marked for a later stage to leave out: none by default."""
+        return []
+
+    def apply_selection(self, pool: list[FeatureExample], selection: dict[str, Any]) -> list[FeatureExample]:
+        """A shard's examples as `shard_selection` chose them (what `select` would have kept)."""
+        return [pool[i] for i in selection["keep"]]
 
     def begin_epoch(self, head: nn.Module, epoch: int, cfg: "TrainConfig") -> None:
         """Called before each epoch (1-based, resumed runs too): a method with stages of its own (HiViS's
@@ -139,29 +172,36 @@ class SpecFlashMethod(TrainingMethod):
 
     name = "specflash"
     needs = ("hidden", "embeds", "media")
-    reads_target = True  # collate cuts media runs into images / frames with the target's `media_pieces`
     head_class = SpecFlashHead
     drafter_class = SpecFlashDrafter
+    cuts_media = True
 
     def __init__(self, ratio: float | None = None, group: int | None = None, max_queries: int | None = None,
                  placeholder: str | None = None) -> None:
         self.options = {k: v for k, v in (("ratio", ratio), ("group", group), ("max_queries", max_queries),
                                           ("placeholder", placeholder)) if v is not None}
         self.target: "VLMTarget | None" = None
+        self.cfg = None  # the head's config (set by head / head_from_config)
 
     def head(self, target: "VLMTarget") -> nn.Module:
-        """The head for `target`; also records the target, whose media layout cuts stored examples' media runs
-        into images / frames (`VLMTarget.media_pieces` from the ids)."""
+        """The head for `target`; also records the target, which cuts the media of examples stored without their
+        segments (features generated before examples carried them)."""
         self.target = target
-        cfg = self.head_class.config_class.for_target(target).model_copy(update=self.options)
-        return self.head_class(cfg)
+        head = self.head_class(self.head_class.config_class.for_target(target).model_copy(update=self.options))
+        self.cfg = head.cfg
+        return head
+
+    def head_from_config(self, config: dict) -> nn.Module:
+        head = super().head_from_config(config)
+        self.cfg = head.cfg
+        return head
 
     def collate(self, examples: list[FeatureExample], idx: list[int], noise: float,
                 gen: torch.Generator) -> dict:
-        if self.target is None:
-            raise RuntimeError("specflash collate before head(target): the media pieces need the target")
-        cfg = self.head_class.config_class.for_target(self.target).model_copy(update=self.options)
-        return {"items": [expand_example(examples[i], self.target.media_pieces(examples[i].input_ids), cfg.ratio,
+        if self.cfg is None:
+            raise RuntimeError("specflash collate before its head was built")
+        cfg = self.cfg
+        return {"items": [expand_example(examples[i], example_pieces(examples[i], self.target), cfg.ratio,
                                          cfg.max_queries, cfg.group, noise, gen) for i in idx]}
 
     def loss(self, head: nn.Module, batch: dict, lm_head_weight: torch.Tensor,
@@ -177,9 +217,9 @@ class ViSpecMethod(TrainingMethod):
 
     name = "vispec"
     needs = ("hidden", "embeds", "media")
-    reads_target = True  # collate cuts media runs into images / frames with the target's `media_pieces`
     head_class = ViSpecHead
     drafter_class = ViSpecDrafter
+    cuts_media = True
     answer_temperature = 1.0  # spec §9.2: the paper's anti-shortcut argument needs sampled answers
     long_answers = True
     direct_stage2 = True
@@ -202,11 +242,9 @@ class ViSpecMethod(TrainingMethod):
         self.stage2 = epoch > stage_schedule(self, cfg).text_epochs
 
     def collate(self, examples, idx, noise, gen):
-        """EAGLE's collate plus each example's media entry spans (one per image / frame)."""
-        if self.target is None:
-            raise RuntimeError("vispec collate before head(target): the media pieces need the target")
+        """EAGLE's collate plus each example's media entry spans (one per image / frame / temporal group)."""
         batch = eagle_collate(examples, idx, noise, gen)
-        batch["spans"] = [entry_spans(self.target.media_pieces(examples[i].input_ids)) for i in idx]
+        batch["spans"] = [entry_spans(example_pieces(examples[i], self.target)) for i in idx]
         return batch
 
     def loss(self, head, batch, lm_head_weight, p_weight):
@@ -292,7 +330,7 @@ class HiViSMethod(TrainingMethod):
     needs = ("hidden", "embeds", "media")
     head_class = HiViSHead
     drafter_class = HiViSDrafter
-    reads_target = True  # `select` reads answers with the target's tokenizer
+    selects = True  # `select` reads answers with the target's tokenizer
     mixes_text = True
     passes: ClassVar[int] = 4  # N forward passes in stage 2 (paper: N = 4)
     filter_k: ClassVar[int] = 5  # dynamic data selection: the target's token must be in the drafter's top-5
@@ -322,10 +360,18 @@ class HiViSMethod(TrainingMethod):
         kept = [ex for ex in examples if words(ex) > self.min_answer_words]
         self.code_heavy = {id(ex) for ex in text_examples
                            if code_heavy(target.tokenizer.decode(ex.input_ids.tolist(), skip_special_tokens=True))}
-        log.info("hivis data: %d of %d multimodal entries answer in more than %d words; %d of %d text entries are "
-                 "code-heavy (left out of stage 2)", len(kept), len(examples), self.min_answer_words,
-                 len(self.code_heavy), len(text_examples))
+        log.debug("hivis data: %d of %d multimodal entries answer in more than %d words; %d of %d text entries are "
+                  "code-heavy (left out of stage 2)", len(kept), len(examples), self.min_answer_words,
+                  len(self.code_heavy), len(text_examples))
         return kept, text_examples
+
+    def marked(self, pool, keep):
+        """The code-heavy text entries (stage 2 leaves them out)."""
+        return [i for i in keep if id(pool[i]) in self.code_heavy]
+
+    def apply_selection(self, pool, selection):
+        self.code_heavy = {id(pool[i]) for i in selection["marked"]}
+        return super().apply_selection(pool, selection)
 
     def begin_epoch(self, head: nn.Module, epoch: int, cfg: "TrainConfig") -> None:
         """Epochs before the last `multistep_epochs` are stage 1 (one row of e_seq in use); the first stage-2

@@ -28,7 +28,7 @@ from mmspec_ray.decoding.tree import TreeConfig
 from mmspec_ray.targets.base import Request, TargetError
 from mmspec_ray.training.datagen import DatagenRecipe
 from mmspec_ray.training.datagen_job import DatagenJob, run_datagen
-from mmspec_ray.training.distributed import HEAD_INIT_FILE, DistributedConfig, HeadInit, fit
+from mmspec_ray.training.distributed import HEAD_INIT_FILE, SELECTION_FILE, DistributedConfig, HeadInit, fit
 from mmspec_ray.training.methods import training_method
 from mmspec_ray.training.shards import ShardStore
 from mmspec_ray.training.trainer import TrainConfig, heldout_tau, stage_schedule, train_drafter
@@ -165,6 +165,7 @@ def run_train_job(job: TrainJob) -> dict[str, Any]:
         from mmspec_ray.training.distributed import check_plan
 
         check_plan(manifest, job.train, job.num_workers)
+        check_streamable(m, ShardStore(features, cfg.s3), manifest)
         init = on_target_node(job, prepare_head_init, job)
         dist_cfg = DistributedConfig(num_workers=job.num_workers, use_gpu=job.use_gpu,
                                      cpus_per_worker=job.cpus_per_worker, max_failures=job.max_failures,
@@ -226,8 +227,22 @@ def train_single_process(job: TrainJob, features: str, held: list[str]) -> list[
 
 
 def prepare_head_init(job: TrainJob) -> HeadInit:
-    return write_head_init(training_method(job.method), load_job_target(job), job.work_dir.rstrip("/") + "/init",
-                           job.decode_config().s3)
+    """What Ray Train workers start from (they never load the target): the head init, and for a method that selects
+    its data with the target, its choice per feature shard."""
+    m = training_method(job.method)
+    target = load_job_target(job)
+    s3 = job.decode_config().s3
+    init = write_head_init(m, target, job.work_dir.rstrip("/") + "/init", s3)
+    if not m.selects:
+        return init
+    features = ShardStore(job.work_dir.rstrip("/") + "/features", s3)
+    selection = {n: m.shard_selection(target, features.load_shard(n)) for n in features.manifest()["shards"]}
+    kept = sum(len(v["keep"]) for v in selection.values())
+    log.info("%s data selection keeps %d of %d examples (%d marked for the later stage to leave out)", m.name, kept,
+             features.manifest()["examples"], sum(len(v["marked"]) for v in selection.values()))
+    store = ShardStore(job.work_dir.rstrip("/") + "/init", s3)
+    store.write(SELECTION_FILE, json.dumps(selection).encode())
+    return init.model_copy(update={"selection_path": f"{store.loc.uri.rstrip('/')}/{SELECTION_FILE}"})
 
 
 def measure_heldout(job: TrainJob, held: list[str]) -> tuple[float, int]:
@@ -283,7 +298,6 @@ def check_existing_features(features: str, job: TrainJob, cfg: DecodeConfig) -> 
 def check_plan_early(m, job: TrainJob) -> None:
     """Mistakes that would otherwise surface after hours of data generation, refused before any work."""
     if job.num_workers:
-        check_streamable(m)
         if job.train.batch_size % job.num_workers:
             raise ValueError(f"batch size {job.train.batch_size} does not split over {job.num_workers} workers; "
                              "use a multiple of --num-workers")
@@ -298,12 +312,17 @@ def check_shared_work(job: TrainJob) -> None:
         raise ValueError(f"--work {job.work_dir} is a local path on a multi-node Ray cluster; give an s3:// one")
 
 
-def check_streamable(m) -> None:
-    """Ray Train workers stream shards and never load the target: a method that needs the target while training
-    (`reads_target`: HiViS's answer filter, SpecFLASH's per-frame media cuts) runs on the single-process trainer."""
-    if m.reads_target:
-        raise ValueError(f"{m.name} needs the target while training, which Ray Train workers do not load; train it "
-                         "with --num-workers 0 (the single-process trainer)")
+def check_streamable(m, store: ShardStore, manifest: dict[str, Any]) -> None:
+    """Ray Train workers stream shards and never load the target: a method that cuts media into images / frames
+    needs the segments data generation stores with each example (features made before they were are refused)."""
+    if not m.cuts_media:
+        return
+    old = [n for n, mm in zip(manifest["shards"], manifest.get("multimodal_per_shard", manifest["shards"]))
+           if mm and "segments" not in store.shard_info(n).fields]
+    if old:
+        raise ValueError(f"{m.name} on Ray Train needs the media segments stored with each example, which "
+                         f"{len(old)} shard(s) in {store.uri} lack (made by an earlier version, e.g. {old[0]}); give a "
+                         "new --work to generate them again, or train with --num-workers 0")
 
 
 def run_name(job: TrainJob) -> str:

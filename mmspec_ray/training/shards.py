@@ -38,6 +38,16 @@ class FeatureExample:
     n_prompt: int  # leading prompt positions (no loss on predicting them)
     media: torch.Tensor | None = None  # [L] bool: image/video token positions (None: features stored before it was)
     mid: torch.Tensor | None = None  # [L, d] DREAM: per position, its lowest-attention-entropy layer's output
+    # [L] int: the image / frame / temporal group each position lies in (-1: text), as the target cut the prompt at
+    # prefill (`TargetOutput.media_segments`); None for features stored before it was
+    segments: torch.Tensor | None = None
+
+    def pieces(self) -> list[tuple[int, int]] | None:
+        """(start, end) of each image / frame / temporal group, as the drafter meets them when it drafts (None when
+        the example was stored without its segments)."""
+        from mmspec_ray.targets.base import pieces_of
+
+        return None if self.segments is None else pieces_of(self.segments)
 
     @property
     def multimodal(self) -> bool:
@@ -54,6 +64,7 @@ class ShardInfo:
     errors: dict[str, dict[str, str]]  # id -> {"error": message, "error_kind": kind}
     examples: int
     multimodal: int  # examples holding media tokens (the rest are text-only)
+    fields: frozenset[str] = frozenset()  # the example fields stored (input_ids, hidden, ..., segments)
 
 
 def shard_bytes(examples: list[FeatureExample], ids: list[str] | None = None,
@@ -69,6 +80,8 @@ def shard_bytes(examples: list[FeatureExample], ids: list[str] | None = None,
             tensors[f"{j}.media"] = ex.media.to(torch.uint8).contiguous()
         if ex.mid is not None:
             tensors[f"{j}.mid"] = ex.mid.contiguous()
+        if ex.segments is not None:
+            tensors[f"{j}.segments"] = ex.segments.to(torch.int32).contiguous()
     meta = {"ids": json.dumps(list(ids or [])), "errors": json.dumps(errors or {}), "examples": str(len(examples)),
             "multimodal": str(sum(ex.multimodal for ex in examples))}
     return st_save(tensors, metadata=meta)
@@ -78,7 +91,8 @@ def examples_from_bytes(data: bytes) -> list[FeatureExample]:
     t = st_load(data)
     n = len({k.split(".")[0] for k in t})
     return [FeatureExample(t[f"{j}.input_ids"], t[f"{j}.hidden"], t[f"{j}.embeds"], int(t[f"{j}.n_prompt"][0]),
-                           t[f"{j}.media"].bool() if f"{j}.media" in t else None, t.get(f"{j}.mid"))
+                           t[f"{j}.media"].bool() if f"{j}.media" in t else None, t.get(f"{j}.mid"),
+                           t[f"{j}.segments"].long() if f"{j}.segments" in t else None)
             for j in range(n)]
 
 
@@ -134,8 +148,9 @@ class ShardStore:
         count = meta.get("examples")
         examples = int(count) if count is not None else len({k.split(".")[0] for k in header if k != "__metadata__"})
         multimodal = int(meta.get("multimodal", examples))
+        fields = frozenset(k.split(".", 1)[1] for k in header if k != "__metadata__")
         return ShardInfo(name, json.loads(meta.get("ids", "[]")), json.loads(meta.get("errors", "{}")), examples,
-                         multimodal)
+                         multimodal, fields)
 
     def load_shard(self, name: str) -> list[FeatureExample]:
         return examples_from_bytes(self.read(name))

@@ -95,7 +95,11 @@ def train_drafter(method: str | TrainingMethod, target: VLMTarget, examples: lis
     m.check(list(examples))
     m.check(text_examples)
     given = len(examples)
+    n_mm, n_text = len(examples), len(text_examples)
     examples, text_examples = m.select(target, list(examples), text_examples)
+    if (len(examples), len(text_examples)) != (n_mm, n_text):
+        log.info("%s data selection keeps %d of %d multimodal and %d of %d text-only examples", m.name,
+                 len(examples), n_mm, len(text_examples), n_text)
     if given and not examples:
         raise ValueError(f"{m.name} keeps none of the {given} multimodal examples (hivis trains on answers longer "
                          "than its min_answer_words); give data with longer answers or choose another --method")
