@@ -229,6 +229,10 @@ def test_summary_counts():
     assert (s["run"]["startup_seconds"], s["run"]["steady_rows_per_s"], s["run"]["steady_output_tokens_per_s"]) == (
         5.0, 4.0, 40.0)
     assert s["run"]["speedup_vs_ar"] is None and "measured speedup" not in format_summary(s)
+    assert "no speedup over AR measured" not in format_summary(s)  # no sample asked for
+    s = summarize(out, pa.array(["a"]), pa.array(["a"]), 2.0, {"speedup_sample": 8, "drafter": "ngram"}, progress)
+    assert "no speedup over AR measured this run: its rows decoded while the draft tree was being calibrated" in \
+        format_summary(s)
     progress["speedup_samples"] = [{"spec_s": 1.0, "spec_tokens": 10, "ar_s": 3.0, "ar_tokens": 10, "same": True},
                                    {"spec_s": 1.0, "spec_tokens": 20, "ar_s": 2.0, "ar_tokens": 10, "same": False}]
     s = summarize(out, pa.array(["a"]), pa.array(["a"]), 2.0, {}, progress)

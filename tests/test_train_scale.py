@@ -228,6 +228,21 @@ def test_cli_single_process_trainer_on_the_same_path(ray_cluster, ckpt, tmp_path
     after = choose_drafter("auto", ckpt, data=data)
     assert after.spec == str(out) and "eagle2 trained for this checkpoint" in after.why
 
+    # the README's own-checkpoint job with the defaults (--drafter auto, --gpus-per-actor auto): its plan names the
+    # drafter it found and why, and its summary reports the speedup it measured over AR on its sample rows
+    from mmspec_ray.batch.cli import main as job_main
+
+    capsys.readouterr()
+    assert job_main(["--target", ckpt, "--input", data, "--output", str(tmp_path / "answers"),
+                     "--max-new-tokens", "48"], "instruct") == 0  # long enough that calibration ends within the rows
+    printed = capsys.readouterr().out
+    assert f"drafter  {out}" in printed and "trained for this checkpoint" in printed, printed
+    assert "no GPU (CPU)" in printed and "float32 on cpu" in printed, printed
+    job = json.loads((tmp_path / "answers" / "_summary.json").read_text())
+    measured = job["run"]["speedup_vs_ar"]
+    assert measured["rows"] >= 1 and measured["speedup"] > 0 and measured["greedy_identical"] == measured["rows"], job
+    assert '"speedup_vs_ar": {' in printed  # the printed summary carries it too
+
 
 def test_streamed_epochs_cover_the_shards_and_keep_the_schedules_mixture():
     """Ray Train's data plan, without Ray: N workers read disjoint shards covering all of them, every worker takes

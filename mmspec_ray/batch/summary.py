@@ -97,11 +97,14 @@ def format_summary(s: dict[str, Any]) -> str:
             f", {s['duplicates']} duplicates, {s['missing']} missing); this run {r['rows']} rows "
             f"({s['skipped_already_done']} already done) in {r['wall_seconds']:.1f} s, "
             f"{r['output_tokens_per_s'] or 0.0:.1f} output tok/s; errors: {kinds}; "
-            f"mean accepted/cycle {acc if acc is None else round(acc, 3)}" + _speedup_text(r.get("speedup_vs_ar")))
+            f"mean accepted/cycle {acc if acc is None else round(acc, 3)}" + _speedup_text(r.get("speedup_vs_ar"), s))
 
 
-def _speedup_text(m: dict[str, Any] | None) -> str:
+def _speedup_text(m: dict[str, Any] | None, s: dict[str, Any]) -> str:
     if not m or m["speedup"] is None:
+        if s.get("speedup_sample") and s.get("drafter") != "none" and s["run"].get("ok"):
+            return ("; no speedup over AR measured this run: its rows decoded while the draft tree was being "
+                    "calibrated, which are not timed against AR (the calibration carries over to the next run)")
         return ""
     same = (f"; greedy answers identical to AR on {m['greedy_identical']}/{m['greedy_rows']}"
             if m["greedy_rows"] else "")
