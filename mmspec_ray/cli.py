@@ -146,6 +146,9 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
         from mmspec_ray.training.cli import run
 
         return run(a, resolve_target(a.target))
+    if a.dry_run:
+        raise UsageError("--dry-run plans a run on request rows: give --data (`mmspec toy requests` writes a toy "
+                         "world's)")
     if a.method == "auto":
         raise UsageError("--method auto picks a method from the data: give --data (a parquet of request rows; "
                          "`mmspec toy requests` writes a toy world's)")
@@ -331,8 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     td = sub.add_parser("train-drafter", help="generate target-answered features and train a drafter")
     td.add_argument("--method", default="eagle2", choices=["auto", *TRAINED_METHODS],
-                    help="auto (with --data): chosen from the data's video / image / text-only rows, "
-                    "--answer-temperature and --num-workers by the project's measurements; it prints why")
+                    help="auto (with --data): chosen from the data's video / image / text-only rows and "
+                    "--answer-temperature by the project's measurements; the plan says why")
     td.add_argument("--target", default="toy-s",
                     help="toy-s / toy-m, or (with --data) a checkpoint directory or s3:// prefix")
     td.add_argument("--out", default=None, help="checkpoint directory (default: the toy world's drafters/METHOD)")

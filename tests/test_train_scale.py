@@ -218,7 +218,9 @@ def test_cli_single_process_trainer_on_the_same_path(ray_cluster, ckpt, tmp_path
     argv = relative + ["--heldout", "2", "--epochs", "2", "--batch-size", "4", "--max-new-tokens", "8",
                        "--device", "cpu"]
     assert main(argv) == 0
-    summary = json.loads(capsys.readouterr().out)
+    plan, _, printed = capsys.readouterr().out.partition("\n{")
+    summary = json.loads("{" + printed)
+    assert "method   eagle2: given" in plan and "trainer  single process, in this process" in plan, plan
     assert summary["trainer"] == "single-process" and summary["examples"] + summary["row_errors"] == 8
     saved = json.loads((out / "history.json").read_text())
     assert saved["heldout_tau"] == summary["heldout_tau"] and [h["epoch"] for h in saved["history"]] == [1, 2]

@@ -73,3 +73,35 @@ def test_a_checkpoint_that_cannot_load_is_refused_in_one_line(ckpt, tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err[-1].startswith("mmspec: error: ValueError: target: checkpoint ") and \
         "has no image processor" in err[-1] and not any("Traceback" in line for line in err)
+
+
+def test_the_plan_and_dry_run_load_no_model_and_write_nothing(ckpt, tmp_path, capsys, monkeypatch):
+    """`train-drafter --dry-run` prints the plan (target and family, rows and their mix, the method and why, who
+    answers where, the trainer, work and output) and exits 0 without loading a model or writing a file; without
+    --data a dry run is refused."""
+    import transformers
+
+    from mmspec_ray.cli import main
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(transformers.AutoModelForImageTextToText, "from_pretrained", boom)
+    monkeypatch.setattr("mmspec_ray.targets.registry.load_target", boom)
+    rows = ([{"id": f"i{i}", "prompt": "describe", "image": _png(), "video_uri": None} for i in range(6)] +
+            [{"id": "t", "prompt": "say something", "image": None, "video_uri": None}] +
+            [{"id": f"v{i}", "prompt": "what happens", "image": None, "video_uri": f"clips/{i}.mp4"} for i in range(3)])
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "req.parquet")
+    out = tmp_path / "drafters" / "mine"
+    assert main(["train-drafter", "--method", "auto", "--target", ckpt, "--data", str(tmp_path / "req.parquet"),
+                 "--out", str(out), "--heldout", "2", "--num-workers", "2", "--dry-run"]) == 0
+    plan = capsys.readouterr().out
+    assert "(llava, 0.2 M parameters)" in plan
+    assert "10 rows from" in plan and "(8 to train on, 2 held out" in plan and "30% video, 60% image, 10% text" in plan
+    assert "method   hivis: auto: 10 rows" in plan and "HiViS measured fastest" in plan
+    assert "1 actor(s), CPU, float32; greedy, up to 256 new tokens" in plan
+    assert "trainer  Ray Train, 2 workers (CPU, 1 CPU each; the target is not loaded on them); 8 epochs" in plan
+    assert f"output   {out}" in plan and f"work     {out}.work" in plan
+    assert not out.exists() and not (tmp_path / "drafters" / "mine.work").exists()
+    assert main(["train-drafter", "--target", "toy-s", "--dry-run"]) == 2
+    assert "--dry-run plans a run on request rows: give --data" in capsys.readouterr().err

@@ -47,6 +47,8 @@ def add_data_args(p: argparse.ArgumentParser) -> None:
       "least as many shards as workers; long video answers of a 7B target are ~10 MB a row)")
     a("--device", default="auto", help="data generation device: auto (cuda with --use-gpu), cpu, cuda")
     a("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    a("--dry-run", action="store_true", help="print the plan (target, data mix, method and why, trainer) and exit: "
+      "no model loaded, nothing written")
 
 
 def job_from_args(a: argparse.Namespace, target: str) -> "TrainJob":
@@ -64,14 +66,15 @@ def job_from_args(a: argparse.Namespace, target: str) -> "TrainJob":
     if toy_only:
         raise ValueError(f"{', '.join(toy_only)}: toy-world options; with --data the rows are the data (use --limit) "
                          "and a re-run resumes (give a new --work and --out to start over)")
+    why = "given"
     if a.method == "auto":
-        a.method = auto_method(a)
+        a.method, why = auto_method(a)
     train = {"epochs": 8, "batch_size": 16, "lr": 2e-3}
     train.update({k: getattr(a, k) for k in TRAIN_FLAGS if getattr(a, k, None) is not None})
     if getattr(a, "direct", False):
         train["gradual"] = False
     decode = {"device": a.device if a.device != "auto" else ("cuda" if a.use_gpu else "auto"), "dtype": a.dtype}
-    return TrainJob(method=a.method, target=target, data=a.data, out=a.out, work=a.work, heldout=a.heldout,
+    return TrainJob(method=a.method, method_why=why, target=target, data=a.data, out=a.out, work=a.work, heldout=a.heldout,
                     limit=a.limit, train=train,
                     recipe={"max_new_tokens": a.max_new_tokens, "temperature": a.answer_temperature
                             if a.answer_temperature is not None else training_method(a.method).answer_temperature,
@@ -81,23 +84,23 @@ def job_from_args(a: argparse.Namespace, target: str) -> "TrainJob":
                     max_failures=a.max_failures, rows_per_shard=a.rows_per_shard)
 
 
-def auto_method(a: argparse.Namespace) -> str:
-    """`--method auto`: the method for the data in --data (its video / image / text-only rows), the answer
-    temperature (`training.choose`); prints why."""
+def auto_method(a: argparse.Namespace) -> tuple[str, str]:
+    """`--method auto`: (method, why) for the data in --data (its video / image / text-only rows) and the answer
+    temperature (`training.choose`); the plan prints why."""
     from mmspec_ray.training.choose import choose_method, data_mix
 
-    mix = data_mix(a.data)
-    method, why = choose_method(mix, sampled=bool(a.answer_temperature))
-    print(f"method auto: {method} ({why})", flush=True)
-    return method
+    method, why = choose_method(data_mix(a.data), sampled=bool(a.answer_temperature))
+    return method, f"auto: {why}"
 
 
 def run(a: argparse.Namespace, target: str) -> int:
     """Run the job the flags describe and print its summary (held-out τ, examples, where the drafter went)."""
     from mmspec_ray.training.pipeline import run_train_job
 
-    summary = run_train_job(job_from_args(a, target))
-    print(json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=2))
+    summary = run_train_job(job_from_args(a, target), dry_run=a.dry_run)
+    if summary.get("dry_run"):
+        return 0
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("history", "plan")}, indent=2))
     return 0
 
 
@@ -107,8 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="train_drafter", description=__doc__)
     p.add_argument("--method", default="eagle2", choices=["auto", *sorted(METHODS)],
-                   help="auto: chosen from the data (video / image / text-only rows), --answer-temperature and "
-                   "--num-workers by the project's measurements; it prints why")
+                   help="auto: chosen from the data (video / image / text-only rows) and --answer-temperature by "
+                   "the project's measurements; the plan says why")
     p.add_argument("--target", required=True, help="checkpoint directory or s3:// prefix (or toy-s / toy-m)")
     p.add_argument("--out", required=True, help="drafter checkpoint directory or s3:// prefix")
     p.add_argument("--epochs", type=int, default=None)

@@ -46,6 +46,7 @@ class TrainJob(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     method: str = "eagle2"
+    method_why: str = Field("given", description="why this method (the plan says it): given, or --method auto's why")
     target: str = Field(..., description="checkpoint directory or s3:// prefix")
     data: str = Field(..., description="parquet file or directory of request rows, local or s3://")
     out: str = Field(..., description="drafter checkpoint directory or s3:// prefix")
@@ -133,22 +134,30 @@ def publish(local: Path, uri: str, s3) -> None:
     pafs.copy_files(str(local), dest.path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=dest.fs)
 
 
-def run_train_job(job: TrainJob) -> dict[str, Any]:
-    """Run (or resume) the whole job; returns a summary (also the drafter's history.json)."""
+def run_train_job(job: TrainJob, dry_run: bool = False) -> dict[str, Any]:
+    """Run (or resume) the whole job; returns a summary (also the drafter's history.json). The plan is printed
+    first; `dry_run`: print it and return {"plan": ..., "dry_run": True}, no model loaded, nothing written."""
     from mmspec_ray.batch.cluster import connect_ray
+    from mmspec_ray.training.choose import data_mix
+    from mmspec_ray.training.plan import format_train_plan, train_plan
 
     job = absolute_paths(job)
     m = training_method(job.method)
     cfg = job.decode_config()
     held = heldout_ids(job, cfg)
     check_plan_early(m, job)
-    job = shards_for_workers(job, len(input_ids(job, cfg)) - len(held))
+    rows = len(input_ids(job, cfg))
+    job = shards_for_workers(job, rows - len(held))
     from mmspec_ray.targets.registry import check_loadable
 
     try:  # what an actor would die of, said in one line before any actor starts
-        check_loadable(job.target, cfg.s3)
+        layout = check_loadable(job.target, cfg.s3)
     except TargetError as e:
         raise ValueError(f"target: {e}") from e
+    plan = train_plan(job, layout, rows, data_mix(job.data, cfg.s3))
+    print(format_train_plan(plan), flush=True)
+    if dry_run:
+        return {"plan": plan, "dry_run": True}
     connect_ray(dashboard=bool(job.num_workers))  # Ray Train's controller polls the state API (the dashboard's)
     check_shared_work(job)
     features = job.work_dir.rstrip("/") + "/features"
@@ -178,7 +187,7 @@ def run_train_job(job: TrainJob) -> dict[str, Any]:
     summary = {"method": m.name, "target": job.target, "data": job.data, "out": job.out,
                "examples": manifest["examples"], "row_errors": len(manifest["errors"]),
                "heldout_rows": n_held, "heldout_tau": tau, "trainer": "ray-train" if job.num_workers else
-               "single-process", "workers": job.num_workers, "history": history}
+               "single-process", "workers": job.num_workers, "plan": plan, "history": history}
     ShardStore(job.out, cfg.s3).write("history.json", json.dumps(summary, indent=2).encode())
     log.info("drafter %s for %s written to %s: held-out τ %.3f on %d rows", m.name, job.target, job.out, tau, n_held)
     return summary
