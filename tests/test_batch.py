@@ -302,6 +302,32 @@ def test_user_files_survive_and_overlapping_or_changed_jobs_are_refused(s3_serve
     assert_exactly_once(out, [r["id"] for r in rows])
     assert_matches_reference(out, requests, reference)
 
+    # the input changes under the output (same ids, new prompts; then a row fewer): a resume is refused naming
+    # the file; --redecode-changed decodes the changed rows again and drops the row that left the input
+    new_rows = [{**r, "prompt": f"what is in the picture {r['n']}"} for r in rows]
+    put_parquet(s3_server, b, "same/in.parquet", new_rows, ROW_SCHEMA)
+    with pytest.raises(JobInputError, match=r"the input changed since output .*in.parquet: .*--redecode-changed"):
+        run_job(spec)
+    redone = run_job(spec.model_copy(update={"redecode_changed": True}))
+    assert redone["complete"] and redone["run"]["rows"] == len(rows) and redone["rows_written"] == len(rows)
+    out = read_output(s3_server, out_uri)
+    assert_exactly_once(out, [r["id"] for r in rows])
+    assert sorted(out.column("prompt").to_pylist()) == sorted(r["prompt"] for r in new_rows)
+    assert run_job(spec)["run"]["rows"] == 0  # the marker now records the new input
+    put_parquet(s3_server, b, "same/in.parquet", new_rows[:2], ROW_SCHEMA)
+    shrunk = run_job(spec.model_copy(update={"redecode_changed": True}))
+    assert shrunk["complete"] and shrunk["rows_written"] == 2 and shrunk["other_rows"] == 0
+    assert_exactly_once(read_output(s3_server, out_uri), [r["id"] for r in new_rows[:2]])
+    limited = run_job(spec.model_copy(update={"limit": 1}))  # rows beyond --limit are not this run's rows
+    assert limited["complete"] and (limited["rows"], limited["rows_written"], limited["other_rows"]) == (1, 1, 1)
+
+    # a user's file named like a part, in the output: neither counted as done rows nor deleted
+    put_parquet(s3_server, b, "out/mmspec-part-users_000000.parquet", [{"id": "img-7-9", "note": "mine"}])
+    mine = run_job(spec)
+    assert mine["complete"] and mine["rows_written"] == 2 and mine["other_rows"] == 0
+    assert "mmspec-part-users_000000.parquet" in mine["foreign_files"]
+    assert "out/mmspec-part-users_000000.parquet" in s3_keys(s3_server, b)
+
 
 def test_s3_outage_during_media_reads_loses_no_good_row(s3_server, ray_cluster, ckpt, reference, tmp_path):
     from test_batch_safety import FlakyProxy

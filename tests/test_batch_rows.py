@@ -207,7 +207,7 @@ def test_scan_output_drops_torn_parts(tmp_path):
     (out / "mmspec-part-ab12_000001.parquet").write_bytes(torn)
     (out / "users-own.parquet").write_bytes(torn)  # not the job's: never read, never deleted
     (out / "_summary.json").write_text("{}")
-    state, table = scan_output(locate(str(out), LOCAL), ["v"])
+    state, table = scan_output(locate(str(out), LOCAL), {"runs": ["ab12"]}, ["v"])
     assert sorted(state.ids.to_pylist()) == ["a", "b"] and table.column("v").to_pylist() == [1, 2]
     assert [p.endswith("mmspec-part-ab12_000001.parquet") for p in state.removed] == [True]
     assert not (out / "mmspec-part-ab12_000001.parquet").exists() and (out / "_summary.json").exists()

@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from mmspec_ray.batch.cli import main as job_main
-from mmspec_ray.batch.output import MARKER_NAME, claim, drop_rows, scan
+from mmspec_ray.batch.output import MARKER_NAME, claim, drop_rows, record_run, scan
 from mmspec_ray.batch.rows import RowError, prepare_row
 from mmspec_ray.batch.sources import kinetics_rows
 from mmspec_ray.batch.jobspec import DecodeConfig
@@ -33,6 +33,14 @@ GREEDY = {"target": "/m", "drafter": "ngram", "temperature": 0.0, "max_new_token
 
 def loc(path) -> object:
     return locate(str(path), LOCAL)
+
+
+def own(out, *runs: str) -> dict:
+    """Claim `out` for the job and record `runs` as its runs (parts named mmspec-part-<run>_... are its own)."""
+    record = claim(loc(out), GREEDY, "in").record
+    for run in runs:
+        record = record_run(loc(out), record, run)
+    return record
 
 
 def part(path, ids: list[str], kinds: list[str | None] | None = None) -> None:
@@ -55,17 +63,45 @@ def test_output_with_foreign_files_and_no_marker_is_refused_untouched(tmp_path):
 
 def test_overwrite_deletes_only_the_jobs_own_files(tmp_path):
     out = tmp_path / "out"
-    claim(loc(out), GREEDY, "in")
+    own(out, "x")
     part(out / "mmspec-part-x_000000.parquet", ["a"])
     (out / "_summary.json").write_text("{}")
     part(out / "users-data.parquet", ["z"])  # dropped in later by someone: never ours to delete
+    part(out / "mmspec-part-users_000000.parquet", ["u"])  # named like a part, but of no run the marker lists
     (out / "sub").mkdir()
     part(out / "sub" / "mmspec-part-y_000000.parquet", ["q"])  # not top level: not the job's naming
-    claim(loc(out), GREEDY, "in", overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == sorted([MARKER_NAME, "users-data.parquet", "sub"])
-    state, _ = scan(loc(out))
+    record = claim(loc(out), GREEDY, "in", overwrite=True).record
+    assert sorted(p.name for p in out.iterdir()) == sorted([MARKER_NAME, "users-data.parquet",
+                                                           "mmspec-part-users_000000.parquet", "sub"])
+    state, _ = scan(loc(out), record)
     assert state.ids.to_pylist() == [] and [f.rsplit("/", 1)[-1] for f in sorted(state.foreign)] == [
-        "mmspec-part-y_000000.parquet", "users-data.parquet"]
+        "mmspec-part-users_000000.parquet", "mmspec-part-y_000000.parquet", "users-data.parquet"]
+
+
+def test_a_users_file_named_like_a_part_is_never_read_deleted_or_counted(tmp_path):
+    """Only parts of the runs the marker lists are the job's: a user's `mmspec-part-*.parquet`, readable or not,
+    is neither counted as done rows nor deleted as torn; a marker from before runs were listed takes the parts
+    present when it is first resumed as its own, and nothing named later."""
+    out = tmp_path / "out"
+    record = own(out, "ab12")
+    part(out / "mmspec-part-ab12_000000.parquet", ["a"])
+    part(out / "mmspec-part-zz99_000000.parquet", ["b"])  # the user's, readable
+    (out / "mmspec-part-zz98_000000.parquet").write_bytes(b"PAR1 not really")  # the user's, unreadable
+    state, _ = scan(loc(out), record)
+    assert state.ids.to_pylist() == ["a"] and not state.removed
+    assert sorted(f.rsplit("/", 1)[-1] for f in state.foreign) == ["mmspec-part-zz98_000000.parquet",
+                                                                    "mmspec-part-zz99_000000.parquet"]
+    assert (out / "mmspec-part-zz98_000000.parquet").read_bytes() == b"PAR1 not really"
+    old = tmp_path / "old"  # an output made when the marker listed no runs (format 1)
+    old.mkdir()
+    (old / MARKER_NAME).write_text(json.dumps({"format": 1, "input": "in", "settings": GREEDY}))
+    part(old / "mmspec-part-0a1b_000000.parquet", ["a"])
+    record = claim(loc(old), GREEDY, "in").record
+    assert record["legacy_parts"] == ["0a1b_000000"]
+    record = record_run(loc(old), record, "run1")
+    part(old / "mmspec-part-0a1c_000000.parquet", ["b"])  # named later, by no run: not the job's
+    state, _ = scan(loc(old), json.loads((old / MARKER_NAME).read_text()))
+    assert state.ids.to_pylist() == ["a"] and len(state.foreign) == 1
 
 
 def test_resume_with_other_settings_is_refused_naming_the_difference(tmp_path):
@@ -99,21 +135,21 @@ def test_decode_config_records_every_text_setting():
 
 def test_drop_rows_rewrites_parts_and_a_crash_between_leaves_the_newer(tmp_path):
     out = tmp_path / "out"
-    claim(loc(out), GREEDY, "in")
+    record = own(out, "a", "b", "c")
     part(out / "mmspec-part-a_000000.parquet", ["r1", "r2", "r3"], [None, "media.unavailable", None])
     part(out / "mmspec-part-b_000000.parquet", ["r4"], ["media.unavailable"])
     part(out / "mmspec-part-c_000000.parquet", ["r5"])
     untouched = (out / "mmspec-part-c_000000.parquet").read_bytes()
-    state, _ = scan(loc(out))
+    state, _ = scan(loc(out), record)
     assert drop_rows(loc(out), state, pa.array(["r2", "r4"])) == 2
     names = sorted(p.name for p in out.glob("mmspec-part-*"))
     assert names == ["mmspec-part-a_000000.fix1.parquet", "mmspec-part-c_000000.parquet"]
     assert (out / "mmspec-part-c_000000.parquet").read_bytes() == untouched
-    state, _ = scan(loc(out))
+    state, _ = scan(loc(out), record)
     assert sorted(state.ids.to_pylist()) == ["r1", "r3", "r5"]
     # a crash after writing generation 2 but before deleting generation 1: the scan keeps generation 2 only
     part(out / "mmspec-part-a_000000.fix2.parquet", ["r1"])
-    state, _ = scan(loc(out))
+    state, _ = scan(loc(out), record)
     assert sorted(state.ids.to_pylist()) == ["r1", "r5"] and not (out / "mmspec-part-a_000000.fix1.parquet").exists()
 
 
@@ -143,9 +179,9 @@ def test_a_failing_read_never_deletes_a_part_and_old_parts_lack_columns_harmless
     import mmspec_ray.batch.output as output
 
     out = tmp_path / "out"
-    claim(loc(out), GREEDY, "in")
+    record = own(out, "old")
     pq.write_table(pa.table({"id": ["a"]}), out / "mmspec-part-old_000000.parquet")  # written before error_kind
-    state, table = scan(loc(out), ["error_kind"])
+    state, table = scan(loc(out), record, ["error_kind"])
     assert table.column("error_kind").to_pylist() == [None] and not state.removed
 
     def throttled(*a, **k):
@@ -154,7 +190,7 @@ def test_a_failing_read_never_deletes_a_part_and_old_parts_lack_columns_harmless
     monkeypatch.setattr(output.pq, "ParquetFile", throttled)
     monkeypatch.setattr(output.time, "sleep", lambda s: None)
     with pytest.raises(JobInputError, match="nothing was deleted"):
-        scan(loc(out), ["error_kind"])
+        scan(loc(out), record, ["error_kind"])
     assert (out / "mmspec-part-old_000000.parquet").exists()
 
 

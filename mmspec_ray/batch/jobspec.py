@@ -131,6 +131,9 @@ class JobSpec(BaseModel):
                                       "(None: one file per block; rows not yet in a file are redone on resume)")
     limit: int | None = Field(None, ge=1, description="only the first N input rows (stable across re-runs)")
     overwrite: bool = Field(False, description="delete the job's existing output first instead of resuming")
+    redecode_changed: bool = Field(False, description="resume after the input changed: decode the rows of the new or "
+                                   "changed input files again and drop rows no longer in the input (without it such "
+                                   "a resume is refused)")
     retry_errors: tuple[str, ...] = Field((), description="error kinds to decode again on a resume, besides the "
                                           "always-retried transient ones (e.g. internal, crash, media.not_found)")
     max_row_crashes: int = Field(2, ge=1, description="a row whose decoder process died this many times is filed "

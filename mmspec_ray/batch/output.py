@@ -3,9 +3,12 @@
 Safety rules (a job must never lose a user's data):
 - The job claims an output directory by writing a marker (`_mmspec_job.json`) before anything else; a directory
   that holds any file but no marker is refused, never written into or cleaned.
-- The job only ever reads back, rewrites or deletes parquet parts named by its own naming (`mmspec-part-*.parquet`,
-  top level) in a directory that carries its marker. Any other file there is left alone and only reported.
-- The marker records the settings that decide the output text; a resume with other settings is refused.
+- The job only ever reads back, rewrites or deletes the parquet parts it wrote: top-level files named by its naming
+  (`mmspec-part-<run>_...parquet`) whose run token the marker lists (each run records its token before it writes).
+  Any other file there, a user's file named like a part included, is left alone and only reported.
+- The marker records the settings that decide the output text and a fingerprint of each input file (size and
+  modification time, or a content hash); a resume with other settings, or of an input that changed since, is
+  refused (the changed rows can be decoded again on request: `redecode_changed`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import logging
 import re
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -25,7 +29,8 @@ import pyarrow.parquet as pq
 from pyarrow import fs as pafs
 from ray.data.datasource import FilenameProvider
 
-from mmspec_ray.batch.storage import SUMMARY_NAME, JobInputError, Location, exists, read_json, write_json
+from mmspec_ray.batch.storage import (SUMMARY_NAME, JobInputError, Location, exists, fingerprint_changes, read_json,
+                                      write_json)
 from mmspec_ray.media.io import is_transient
 
 log = logging.getLogger(__name__)
@@ -35,7 +40,7 @@ PART_PREFIX = "mmspec-part-"
 # `mmspec-part-<base>.parquet`, or `mmspec-part-<base>.fix<N>.parquet`: generation N of that part after a retry
 # rewrote it without the rows being redone. Of one base only the highest generation is live.
 _PART = re.compile(r"^mmspec-part-(?P<base>[A-Za-z0-9_\-]+?)(?:\.fix(?P<gen>\d+))?\.parquet$")
-MARKER_FORMAT = 1
+MARKER_FORMAT = 2  # 2: run tokens and input fingerprints (a format-1 marker is upgraded on resume)
 _READ_TRIES = 4  # a transiently failing part read: 4 tries over ~7 s, then the job stops (deleting nothing)
 # Settings that may differ on a resume when decoding is greedy: they change speed (or unused sampling knobs),
 # never the text.
@@ -43,13 +48,19 @@ GREEDY_FREE = ("drafter", "tree", "tie_margin", "top_p", "top_k", "min_p", "seed
 
 
 class PartNames(FilenameProvider):
-    """Ray Data file names of the job's output parts: `mmspec-part-<write uuid>_<task>.parquet`."""
+    """Ray Data file names of one run's output parts: `mmspec-part-<run>_<write uuid>_<task>.parquet`, `run` being
+    the token this run recorded in the marker before writing (how the job knows a part is its own)."""
 
-    def __init__(self) -> None:
+    def __init__(self, run: str) -> None:
         super().__init__(file_format="parquet")
+        self.run = run
 
     def get_filename_for_task(self, write_uuid: str, task_index: int) -> str:
-        return f"{PART_PREFIX}{write_uuid.replace('-', '')}_{task_index:06}.parquet"
+        return f"{PART_PREFIX}{self.run}_{write_uuid.replace('-', '')}_{task_index:06}.parquet"
+
+
+def new_run_token() -> str:
+    return uuid.uuid4().hex[:12]
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,16 @@ class OutputState:
     ids: pa.Array  # ids of rows already written (duplicates kept, so they can be reported)
     removed: list[str]  # the job's own parts deleted: unreadable (a write cut off by a crash) or superseded
     foreign: list[str]  # files the job did not write (left alone)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A claimed output: the marker's record, and the input files changed since it was made (lines saying how;
+    empty for a new output or an unchanged input)."""
+
+    record: dict[str, Any]
+    changed: list[str]
+    changed_files: list[str]  # their names (as `input_fingerprints` records them): new, gone or changed
 
 
 def _parse(path: str) -> tuple[str, int] | None:
@@ -77,9 +98,23 @@ def _is_top(loc: Location, path: str) -> bool:
     return "/" not in path[len(loc.path):].strip("/")
 
 
-def claim(loc: Location, settings: dict[str, Any], input_uri: str, overwrite: bool = False) -> dict[str, Any]:
+def owns(loc: Location, record: dict[str, Any], path: str) -> bool:
+    """Whether `path` is a part this job wrote: top level, the job's naming, and a run token its marker lists (or,
+    for output made before markers listed runs, a part present when the marker was upgraded)."""
+    parsed = _parse(path) if _is_top(loc, path) else None
+    if parsed is None:
+        return False
+    base = parsed[0]
+    return base.split("_", 1)[0] in record.get("runs", ()) or base in record.get("legacy_parts", ())
+
+
+def claim(loc: Location, settings: dict[str, Any], input_uri: str,
+          fingerprints: dict[str, dict[str, Any]] | None = None, overwrite: bool = False,
+          redecode_changed: bool = False) -> Claim:
     """Claim `loc` for a job reading `input_uri` with `settings` (writing the marker), or check that a resume is the
-    same job: same input (ids of another dataset would pass as done), same text-deciding settings.
+    same job: same input (ids of another dataset would pass as done), same text-deciding settings, and input files
+    unchanged since the marker recorded their `fingerprints` (else refused, or with `redecode_changed` returned as
+    `Claim.changed` for the caller to decode their rows again before `record_run` records the new fingerprints).
 
     Refuses (JobInputError) a directory holding files but no marker, a resume of another input, and one whose
     settings differ in a way that changes the text. With `overwrite`, the job's own files are deleted first
@@ -91,12 +126,13 @@ def claim(loc: Location, settings: dict[str, Any], input_uri: str, overwrite: bo
         sample = ", ".join(i.path.rsplit("/", 1)[-1] for i in files[:3])
         raise JobInputError(f"output {loc.uri} already holds {len(files)} file(s) (e.g. {sample}) that this job did "
                             "not write (no _mmspec_job.json marker); choose a new or empty output directory")
-    record = _read_json(marker) if has_marker else {}
+    record = _upgrade(loc, _read_json(marker), files) if has_marker else {}
     if has_marker and record.get("input") != input_uri:
         raise JobInputError(f"output {loc.uri} holds the answers of another job (input {record.get('input')!r}); "
                             f"this job reads {input_uri!r}. Use a new --output for it")
     if has_marker and overwrite:
-        own = [i.path for i in files if _is_top(loc, i.path) and (_parse(i.path) or i.path.endswith(SUMMARY_NAME))]
+        own = [i.path for i in files if owns(loc, record, i.path) or
+               (_is_top(loc, i.path) and i.path.endswith("/" + SUMMARY_NAME))]
         for p in own:
             loc.fs.delete_file(p)
         loc.fs.delete_file(marker.path)
@@ -108,11 +144,40 @@ def claim(loc: Location, settings: dict[str, Any], input_uri: str, overwrite: bo
             raise JobInputError(f"output {loc.uri} was made with other decoding settings ({'; '.join(diff)}); a "
                                 "resume would mix answers of both. Use a new --output, the old settings, or "
                                 "--overwrite to start over")
-        return record
+        old = record.get("input_files")
+        changed = fingerprint_changes(old, fingerprints) if old is not None and fingerprints is not None else []
+        if changed and not redecode_changed:
+            raise JobInputError(
+                f"the input changed since output {loc.uri} was made ({'; '.join(changed[:5])}"
+                f"{f'; {len(changed) - 5} more' if len(changed) > 5 else ''}): a resume would keep answers to the old "
+                "rows. Re-run with --redecode-changed to decode the rows of the changed files again (and drop rows "
+                "no longer in the input), or use a new --output, or --overwrite to start over")
+        names = [n for n in sorted(set(old or {}) | set(fingerprints or {}))
+                 if (old or {}).get(n) != (fingerprints or {}).get(n)] if changed else []
+        return Claim(record, changed, names)
     record = {"format": MARKER_FORMAT, "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "input": input_uri, "settings": settings}
+              "input": input_uri, "input_files": fingerprints, "settings": settings, "runs": []}
     write_json(marker, record)
+    return Claim(record, [], [])
+
+
+def record_run(loc: Location, record: dict[str, Any], run: str,
+               fingerprints: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Add this run's token (before it writes any part) and the input's current fingerprints to the marker."""
+    record = {**record, "runs": [*record.get("runs", []), run], "input_files": fingerprints}
+    write_json(loc.child(MARKER_NAME), record)
     return record
+
+
+def _upgrade(loc: Location, record: dict[str, Any], files: list[pafs.FileInfo]) -> dict[str, Any]:
+    """A format-1 marker (parts recognised by name, no input fingerprints) as format 2: the parts named like the
+    job's present now become its legacy parts; the input's fingerprints are recorded by this run."""
+    if record.get("format", 1) >= 2:
+        return record
+    legacy = sorted({_parse(i.path)[0] for i in files if _is_top(loc, i.path) and _parse(i.path)})
+    log.info("output %s: marker from an earlier version; %d parts named like the job's are taken as its own",
+             loc.uri, len(legacy))
+    return {**record, "format": MARKER_FORMAT, "runs": [], "legacy_parts": legacy}
 
 
 def settings_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -130,17 +195,18 @@ def settings_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return out
 
 
-def scan(loc: Location, columns: list[str] | None = None) -> tuple[OutputState, pa.Table | None]:
-    """Read the ids (and `columns`) of the job's live parts. The job's own torn parts (a local write cut off by a
-    crash: bad parquet magic or footer) and superseded generations are deleted, so their rows are simply done again.
-    A read error is retried when transient and otherwise stops the job; it never deletes anything. Every other
-    file is left alone."""
+def scan(loc: Location, record: dict[str, Any], columns: list[str] | None = None) -> tuple[OutputState,
+                                                                                           pa.Table | None]:
+    """Read the ids (and `columns`) of the job's live parts (`owns`: by the marker's `record`). The job's own torn
+    parts (a local write cut off by a crash: bad parquet magic or footer) and superseded generations are deleted, so
+    their rows are simply done again. A read error is retried when transient and otherwise stops the job; it never
+    deletes anything. Every other file is left alone."""
     infos = _listing(loc)
     mine: dict[str, list[tuple[int, str]]] = {}
     foreign = []
     for i in infos:
-        parsed = _parse(i.path) if _is_top(loc, i.path) else None
-        if parsed:
+        if owns(loc, record, i.path):
+            parsed = _parse(i.path)
             mine.setdefault(parsed[0], []).append((parsed[1], i.path))
         elif i.path.rsplit("/", 1)[-1] not in (MARKER_NAME, SUMMARY_NAME):
             foreign.append(i.path)

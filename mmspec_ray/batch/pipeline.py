@@ -24,7 +24,7 @@ import ray
 
 from mmspec_ray.batch.cluster import check_gpus, connect_ray, plan_actor_cpus, release_failed_run
 from mmspec_ray.batch.decoder import SpecDecoder
-from mmspec_ray.batch.output import OutputState, PartNames, claim, drop_rows
+from mmspec_ray.batch.output import Claim, OutputState, PartNames, claim, drop_rows, new_run_token, record_run
 from mmspec_ray.batch.output import scan as scan_output
 from mmspec_ray.batch.plan import check_gpu, format_plan, make_plan, probe_gpu, resolve_gpus
 from mmspec_ray.batch.progress import ProgressPrinter, ProgressTracker
@@ -33,7 +33,7 @@ from mmspec_ray.batch.rows import (IMAGE_FIELDS, INTERNAL_COLUMNS, OUTPUT_COLUMN
                                    resolve_image_side)
 from mmspec_ray.batch.stages import keep_ids, prepare_block
 from mmspec_ray.batch.storage import (SUMMARY_NAME, JobInputError, Location, check_disjoint, check_ids, exists,
-                                      locate, parquet_files, scan_input, write_json)
+                                      input_fingerprints, input_name, locate, parquet_files, scan_input, write_json)
 from mmspec_ray.batch.summary import SUMMARY_COLUMNS, format_summary, summarize
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,7 @@ def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = Sp
     schema, ids = (table.schema, table.column("id")) if table is not None else scan_input(source)
     check_columns(schema, spec.decode, spec.input)
     check_ids(ids, spec.input)
+    per_file = ids  # one chunk per input file (a parquet input)
     ids = ids.combine_chunks()
     n_input = len(ids)
     if spec.limit is not None:
@@ -81,11 +82,20 @@ def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = Sp
     if dry_run:
         print(format_plan(plan), flush=True)
         return {"plan": plan, "dry_run": True}
-    claim(out, cfg.text_settings(), spec.input, overwrite=spec.overwrite)
-    state, done = scan_output(out, ["error_kind"])
+    in_loc = source or locate(spec.input, spec.decode.s3)
+    files = parquet_files(source) if source is not None else None
+    prints = input_fingerprints(in_loc, files)
+    claimed = claim(out, cfg.text_settings(), spec.input, prints, overwrite=spec.overwrite,
+                    redecode_changed=spec.redecode_changed)
+    state, done = scan_output(out, claimed.record, ["error_kind"])
+    redone = _drop_changed(out, state, claimed, per_file, ids, files, in_loc)
+    run = new_run_token()
+    record = record_run(out, claimed.record, run, prints)  # before any part of this run is written
+    if redone:
+        state, done = scan_output(out, record, ["error_kind"])
     retried = _drop_retries(out, state, done, ids, spec)
     if retried:
-        state, _ = scan_output(out)
+        state, _ = scan_output(out, record)
     todo = ids.filter(pc.invert(pc.is_in(ids, value_set=state.ids.cast(ids.type))))
     plan["to_decode"] = len(todo)
     print(format_plan(plan), flush=True)
@@ -100,7 +110,7 @@ def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = Sp
         try:
             with ProgressPrinter(tracker, spec.progress_interval_s):
                 ds.write_parquet(out.ray_path, filesystem=out.fs, min_rows_per_file=spec.rows_per_file,
-                                 filename_provider=PartNames(), ray_remote_args={"num_cpus": spec.cpus_per_task})
+                                 filename_provider=PartNames(run), ray_remote_args={"num_cpus": spec.cpus_per_task})
             progress = ray.get(tracker.snapshot.remote())
         except BaseException as e:
             del ds
@@ -109,7 +119,7 @@ def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = Sp
         finally:
             ray.kill(tracker)
     wall = time.time() - t_run
-    end_state, written = scan_output(out, SUMMARY_COLUMNS)
+    end_state, written = scan_output(out, record, SUMMARY_COLUMNS)
     meta = _meta(spec, t_start, state.removed + end_state.removed, end_state.foreign, retried)
     summary = summarize(written, ids, todo, wall, meta, progress)
     summary["retryable_rows"] = sum(summary["all_rows"]["errors_by_kind"].get(k, 0) for k in RETRYABLE_KINDS)
@@ -117,6 +127,27 @@ def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = Sp
     write_json(out.child(SUMMARY_NAME), summary)
     log.info(format_summary(summary))
     return summary
+
+
+def _drop_changed(out: Location, state: OutputState, claimed: Claim, per_file: pa.ChunkedArray, ids: pa.Array,
+                  files: list[str] | None, in_loc: Location) -> int:
+    """With --redecode-changed on an input that changed since the output was made: take out the rows of the new or
+    changed input files (decoded again by this run) and the rows no longer in the input at all."""
+    if not claimed.changed_files:
+        return 0
+    changed = set(claimed.changed_files)
+    if files is None:  # an input read whole (a Kinetics CSV): every row
+        redo = ids
+    else:
+        chunks = [per_file.chunk(i) for i, f in enumerate(files) if input_name(in_loc, f) in changed]
+        redo = pa.concat_arrays([c.cast(ids.type) for c in chunks]) if chunks else pa.array([], ids.type)
+    gone = state.ids.filter(pc.invert(pc.is_in(state.ids, value_set=ids.cast(state.ids.type))))
+    drop = pa.concat_arrays([redo.cast(pa.string()), gone.cast(pa.string())]).unique()
+    n = drop_rows(out, state, drop) if len(drop) else 0
+    log.warning("the input changed since the output was made (%s): %d rows of the changed files will be decoded "
+                "again, %d rows no longer in the input dropped; %d output rows taken out in all",
+                "; ".join(claimed.changed[:5]), len(redo), len(gone), n)
+    return n
 
 
 def _drop_retries(out: Location, state: OutputState, done: pa.Table | None, ids: pa.Array, spec: JobSpec) -> int:

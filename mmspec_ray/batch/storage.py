@@ -12,6 +12,8 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -74,6 +76,52 @@ def parquet_files(loc: Location) -> list[str]:
             continue
         out.append(i.path)
     return sorted(out)
+
+
+def input_fingerprints(loc: Location, files: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """What each input file is now, to tell on a resume whether the input changed: {name: {size, mtime}} (name
+    relative to `loc`), or {size, sha256} for a file whose store gives no modification time. `files`: the input's
+    parquet files (default: `parquet_files(loc)`; a single file such as a Kinetics CSV is itself)."""
+    import hashlib
+
+    paths = files if files is not None else (parquet_files(loc) or [loc.path])
+    out: dict[str, dict[str, Any]] = {}
+    for path in paths:
+        info = loc.fs.get_file_info(path)
+        if info.type != pafs.FileType.File:
+            continue
+        name = input_name(loc, path)
+        rec: dict[str, Any] = {"size": info.size}
+        if info.mtime_ns is not None:
+            rec["mtime"] = datetime.fromtimestamp(info.mtime_ns / 1e9, timezone.utc).isoformat(timespec="microseconds")
+        else:
+            digest = hashlib.sha256()
+            with loc.fs.open_input_stream(path) as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(chunk)
+            rec["sha256"] = digest.hexdigest()
+        out[name] = rec
+    return out
+
+
+def input_name(loc: Location, path: str) -> str:
+    """An input file's name as fingerprints record it: relative to the input folder (a single file: its name)."""
+    return path[len(loc.path):].lstrip("/") or path.rsplit("/", 1)[-1]
+
+
+def fingerprint_changes(old: dict[str, dict[str, Any]], new: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per input file that is new, gone or changed since `old` was recorded (empty: the same input)."""
+    out = []
+    for name in sorted(set(old) | set(new)):
+        a, b = old.get(name), new.get(name)
+        if a is None:
+            out.append(f"{name}: new")
+        elif b is None:
+            out.append(f"{name}: gone")
+        elif a != b:
+            what = ", ".join(f"{k} {a.get(k)} -> {b.get(k)}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+            out.append(f"{name}: {what}")
+    return out
 
 
 class JobInputError(ValueError):

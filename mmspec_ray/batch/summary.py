@@ -38,6 +38,9 @@ def summarize(output: pa.Table | None, job_ids: pa.Array, run_ids: pa.Array, wal
               meta: dict[str, Any], progress: dict[str, Any] | None = None) -> dict[str, Any]:
     """Summary dict of a finished (or resumed) job. `output` holds `id` + SUMMARY_COLUMNS of every written row;
     `progress` is the tracker's last snapshot (adds startup time and steady-state throughput)."""
+    total = output.num_rows if output is not None else 0
+    if output is not None and len(job_ids):  # rows of other ids (beyond --limit, or gone from the input) apart
+        output = output.filter(pc.is_in(output.column("id"), value_set=job_ids.cast(output.column("id").type)))
     written = output.num_rows if output is not None else 0
     out_ids = output.column("id") if output is not None else pa.array([], type=job_ids.type)
     unique = pc.count_distinct(out_ids).as_py() if written else 0
@@ -55,6 +58,7 @@ def summarize(output: pa.Table | None, job_ids: pa.Array, run_ids: pa.Array, wal
         **meta,
         "rows": len(job_ids),
         "rows_written": written,
+        "other_rows": total - written,
         "duplicates": written - unique,
         "missing": missing,
         "complete": missing == 0 and written == unique,
@@ -93,8 +97,10 @@ def format_summary(s: dict[str, Any]) -> str:
     r, o = s["run"], s["all_rows"]
     acc = o["mean_accepted_per_cycle"]
     kinds = ", ".join(f"{k}={v}" for k, v in o["errors_by_kind"].items()) or "none"
+    other = (f"; {s['other_rows']} more rows of ids outside this job's input (beyond --limit, or no longer in "
+             "the input)") if s.get("other_rows") else ""
     return (f"summary: {s['rows_written']}/{s['rows']} rows in output ({'complete' if s['complete'] else 'INCOMPLETE'}"
-            f", {s['duplicates']} duplicates, {s['missing']} missing); this run {r['rows']} rows "
+            f", {s['duplicates']} duplicates, {s['missing']} missing{other}); this run {r['rows']} rows "
             f"({s['skipped_already_done']} already done) in {r['wall_seconds']:.1f} s, "
             f"{r['output_tokens_per_s'] or 0.0:.1f} output tok/s; errors: {kinds}; "
             f"mean accepted/cycle {acc if acc is None else round(acc, 3)}" + _speedup_text(r.get("speedup_vs_ar"), s))
