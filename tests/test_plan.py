@@ -214,3 +214,27 @@ def test_a_checkpoint_without_safetensors_has_no_identity_and_still_loads_drafte
     target.checkpoint = str(tmp_path / "bin")  # as if loaded from pytorch_model.bin weights
     assert target.identity is None and target.checkpoint is None
     assert isinstance(Eagle2Drafter.random(target), Eagle2Drafter)
+
+
+def test_media_decoding_stays_apart_from_the_decoder_actors(gpu_cluster, ckpt):
+    """With as many actors as leave each the media tasks' CPU share (2 actors on 2 CPUs: 0.5 each), Ray Data would
+    fuse the media stage into the decoder actors (no overlap, the media's memory on top of the model's): the
+    optimised plan keeps it a task stage of its own, for 1 or 2 actors."""
+    from ray.data._internal.logical.optimizers import get_execution_plan
+
+    from mmspec_ray.batch.decoder import SpecDecoder
+    from mmspec_ray.batch.pipeline import _build
+    from mmspec_ray.batch.rows import prepare_row
+
+    table = pa.table({"id": ["a", "b", "c", "d"], "prompt": ["p"] * 4})
+    for actors in (1, 2):
+        spec = JobSpec(input="in.parquet", output="out", num_actors=actors, gpus_per_actor=0, cpus_per_actor=0.5,
+                       decode=DecodeConfig(target=ckpt, drafter="ngram", device="cpu"))
+        assert spec.cpus_per_task == 0.5  # the media tasks ask for what each actor gets
+        ds = _build(spec, spec.decode, table, None, table.column("id").combine_chunks(), True, SpecDecoder, None,
+                    prepare_row, actor_cpus=0.5)
+        op, names = get_execution_plan(ds._logical_plan)[0].dag, []
+        while op is not None:
+            names.append(op.name)
+            op = op.input_dependencies[0] if op.input_dependencies else None
+        assert names[:2] == ["MapBatches(SpecDecoder)", "MapBatches(prepare_block)"], names

@@ -219,7 +219,7 @@ def _build(spec: JobSpec, cfg: DecodeConfig, table: pa.Table | None, source: Loc
     ds = ds.repartition(target_num_rows_per_block=spec.rows_per_block)
     ds = ds.map_batches(prepare_block, fn_kwargs={"cfg": cfg, "tracker": tracker, "row_fn": row_fn,
                                                   "max_row_crashes": spec.max_row_crashes},
-                        batch_format="pyarrow", batch_size=None, **task)
+                        batch_format="pyarrow", batch_size=None, compute=media_compute(spec), **task)
     return ds.map_batches(
         decoder_cls,
         fn_constructor_kwargs={"config": cfg, "progress": tracker, "max_row_crashes": spec.max_row_crashes},
@@ -231,6 +231,14 @@ def _build(spec: JobSpec, cfg: DecodeConfig, table: pa.Table | None, source: Loc
         num_gpus=spec.gpus_per_actor or None,
         udf_modifying_row_count=False,
     )
+
+
+def media_compute(spec: JobSpec) -> ray.data.TaskPoolStrategy:
+    """The media stage as its own tasks, at most 2 x actors + 1 at a time (two blocks ready per decoder, as the pool
+    takes two in flight per actor). A cap other than the pool's size also keeps Ray Data from fusing the stage into
+    the decoder actors, which it does when both ask for the same CPUs (2 actors on 2 CPUs: 0.5 each): media would
+    then decode inside the actors, with no overlap and the media's memory on top of the model's."""
+    return ray.data.TaskPoolStrategy(size=2 * spec.num_actors + 1)
 
 
 def _meta(spec: JobSpec, t_start: float, removed: list[str], foreign: list[str], retried: int) -> dict[str, Any]:
