@@ -9,6 +9,7 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from PIL import Image
 
 from mmspec_ray.batch import DecodeConfig, JobSpec, SpecDecoder
 from mmspec_ray.batch.cli import build_parser, plan
@@ -101,6 +102,31 @@ def test_truncated_clip_and_required_media(cfg, clip_bytes):
     with pytest.raises(RowError) as e:
         prepare_row({"id": "x", "prompt": "p"}, need_video)
     assert e.value.kind == "missing_field"
+    with pytest.raises(RowError, match="video_uri: is an empty list; this job needs a video per row") as e:
+        prepare_row({"id": "x", "prompt": "p", "video_uri": []}, need_video)
+
+
+def test_uris_that_name_no_file_and_images_over_the_jobs_pixel_limit(cfg, tmp_path):
+    """A folder or a bare `s3://` is no media file: not_found / invalid, naming the field, never an I/O error; an
+    image over the job's max_image_pixels is refused quoting that limit, also where Pillow's own guard fires."""
+    (tmp_path / "folder").mkdir()
+    cases = [(str(tmp_path / "folder"), "media.not_found", "is a folder"),
+             ("s3://", "invalid", "names no object"), ("s3://bucket", "invalid", "names no object"),
+             ("s3://bucket/prefix/", "invalid", "names no object")]
+    for uri, kind, text in cases:
+        with pytest.raises(RowError, match=text) as e:
+            prepare_row({"id": "x", "prompt": "p", "image_uri": uri}, cfg)
+        assert (e.value.field, e.value.kind) == ("image_uri", kind), uri
+    big = Image.new("L", (12000, 12000))  # 144 M pixels: over Pillow's own guard (89 M) and the default 64 M
+    buf = io.BytesIO()
+    big.save(buf, "PNG")
+    with pytest.raises(RowError, match=r"144000000 pixels > limit 64000000 \(media.limits.max_image_pixels\)") as e:
+        prepare_row({"id": "x", "prompt": "p", "image": buf.getvalue()}, cfg)
+    assert e.value.kind == "media.too_large"
+    low = cfg.model_copy(update={"media": cfg.media.model_copy(update={"limits": cfg.media.limits.model_copy(
+        update={"max_image_pixels": 1000})})})
+    with pytest.raises(RowError, match=r"1600 pixels > limit 1000|40x40 pixels > limit 1000"):
+        prepare_row({"id": "x", "prompt": "p", "image": png(random_images(1, seed=2, size=40)[0])}, low)
 
 
 def test_default_prompt_and_messages(cfg):

@@ -119,6 +119,11 @@ def _media(row: Mapping[str, Any], field: str, cfg: DecodeConfig) -> list:
                            f"URIs in {field}_uri")
         if by_uri and not item:
             raise RowError(where, "invalid", "is an empty string")
+        if by_uri and item.startswith("s3://"):
+            bucket, _, key = item[len("s3://"):].partition("/")
+            if not bucket or not key or key.endswith("/"):
+                raise RowError(where, "invalid", f"{item!r} names no object: an s3:// URI needs a bucket and an "
+                               "object key (s3://bucket/path/file.png)")
         src = item if by_uri else bytes(item)
         side = cfg.media.image_side if isinstance(cfg.media.image_side, int) else None
         try:
@@ -143,6 +148,9 @@ def _missing_media(row: Mapping[str, Any], fields: tuple[str, str], kind: str) -
     if not present:
         return RowError(fields[1], "missing_field", f"this job needs a {kind} per row: add a {fields[0]} (bytes) "
                         f"or {fields[1]} column")
+    empty = [f for f in present if isinstance(row[f], (list, tuple)) and not row[f]]
+    if empty:
+        return RowError(empty[-1], "null_field", f"is an empty list; this job needs a {kind} per row")
     return RowError(present[-1], "null_field", f"is null; this job needs a {kind} per row")
 
 

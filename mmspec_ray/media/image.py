@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import warnings
 
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -58,6 +59,8 @@ def decode_image_bytes(data: bytes, limits: MediaLimits | None = None, label: st
     if len(data) > limits.max_bytes:
         raise MediaError("too_large", f"{len(data)} bytes > limit {limits.max_bytes}", label)
     known = data.startswith(_IMAGE_MAGIC)
+    if Image.MAX_IMAGE_PIXELS is not None and Image.MAX_IMAGE_PIXELS < limits.max_image_pixels:
+        Image.MAX_IMAGE_PIXELS = limits.max_image_pixels  # Pillow's guard never below the job's limit
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -74,8 +77,10 @@ def decode_image_bytes(data: bytes, limits: MediaLimits | None = None, label: st
     except UnidentifiedImageError as e:
         kind = "corrupt" if known else "unsupported"
         raise MediaError(kind, "not a decodable image (PNG, JPEG, GIF, WebP, BMP, TIFF expected)", label) from e
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise MediaError("too_large", str(e), label) from e
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:  # Pillow's own guard, at open
+        size = re.search(r"\((\d+) pixels\)", str(e))
+        raise MediaError("too_large", f"{size[1] + ' pixels' if size else 'the image'} > limit "
+                         f"{limits.max_image_pixels} (media.limits.max_image_pixels)", label) from e
     except (OSError, SyntaxError, ValueError) as e:
         msg = str(e)
         kind = "truncated" if "truncated" in msg.lower() or "premature end" in msg.lower() else "corrupt"

@@ -49,6 +49,8 @@ def read_bytes(source: str, limits: MediaLimits | None = None, s3: S3Config | No
     path = source[len("file://"):] if source.startswith("file://") else source
     if not os.path.exists(path):
         raise MediaError("not_found", "no such file; check the path or URI", source)
+    if os.path.isdir(path):
+        raise MediaError("not_found", "is a folder, not a file; give the media file's path", source)
     if not os.path.isfile(path):
         raise MediaError("io", "not a regular file", source)
     size = os.path.getsize(path)
@@ -103,6 +105,8 @@ def _read_s3_once(key: str, limits: MediaLimits, cfg: S3Config, source: str) -> 
         raise MediaError("io", f"S3 error: {e}", source) from e
     if info.type == fs.FileType.NotFound:
         raise MediaError("not_found", "no such S3 object; check bucket and key", source)
+    if info.type == fs.FileType.Directory:
+        raise MediaError("not_found", "is an S3 prefix (a folder), not an object; give the object's key", source)
     if info.size is not None and info.size > limits.max_bytes:
         raise MediaError("too_large", f"{info.size} bytes > limit {limits.max_bytes}", source)
     try:
