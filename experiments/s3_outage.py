@@ -43,6 +43,7 @@ def main() -> None:
     from tiny import random_images, tiny_llava
 
     from mmspec_ray.batch import JobSpec, run_job
+    from mmspec_ray.batch.cluster import start_local_ray
 
     tmp = Path(tempfile.mkdtemp(prefix="s3_outage_"))
     model, processor = tiny_llava()
@@ -66,7 +67,7 @@ def main() -> None:
         "rows_per_file": None, "decode": {"target": str(tmp / "ckpt"), "drafter": "ngram", "max_new_tokens": 32,
                                           "s3": {"endpoint_override": f"127.0.0.1:{proxy.port}", "scheme": "http",
                                                  "region": "us-east-1", "retries": a.retries}}})
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     results = {}
     try:
         def outage() -> None:  # `at` seconds after the job's first S3 media connection

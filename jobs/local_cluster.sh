@@ -18,6 +18,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/ray ] && export PATH="$PWD/.venv/bin:$PATH"   # the job's `python` is the head's PATH python
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
+# With auth off, a single-machine head: Ray then takes 127.0.0.1 as the node IP and its servers listen on loopback
+# only (`--node-ip-address 127.0.0.1` alone is resolved back to the machine's network address).
+[ "$RAY_AUTH_MODE" = disabled ] && export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 PORT="${RAY_PORT:-6390}"
 DASH="${RAY_DASHBOARD_PORT:-8390}"
 TMP="$(mktemp -d /tmp/mmspec-ray-XXXXXX)"   # own temp dir: plain `ray.init()` elsewhere will not attach to it

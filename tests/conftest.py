@@ -129,9 +129,10 @@ def ray_cluster(s3_server):
     """A 2-CPU local Ray for the requesting module (no dashboard), shut down after it. Started after the S3 fixture
     so that workers inherit its credentials."""
     ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from mmspec_ray.batch.cluster import start_local_ray
+
     os.environ["RAY_DATA_DISABLE_PROGRESS_BARS"] = "1"
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -111,11 +111,12 @@ def serve_app(ckpt, s3_server):
 
     from mmspec_ray.serve.app import build_app
 
+    from mmspec_ray.batch.cluster import start_local_ray
+
     os.environ["RAY_AUTH_MODE"] = "disabled"
     os.environ[KEY_ENV] = KEY  # replicas inherit the driver's environment (read there, never logged)
     metrics_port = free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             _metrics_export_port=metrics_port)
+    start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port)
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})

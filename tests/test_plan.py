@@ -34,8 +34,9 @@ GIB = 2**30
 @pytest.fixture(scope="module")
 def gpu_cluster():
     """A local Ray that declares 2 GPUs (a resource only: torch here has no CUDA)."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    from mmspec_ray.batch.cluster import start_local_ray
+
+    start_local_ray(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

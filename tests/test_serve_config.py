@@ -51,7 +51,7 @@ def test_serve_run_toy_config_with_the_tiny_checkpoint(ckpt, tmp_path):
     app["deployments"][0]["ray_actor_options"] = {"num_cpus": 0.5}
     cfg = tmp_path / "toy-tiny.yaml"
     cfg.write_text(yaml.safe_dump(data))
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", PYTHONPATH=str(ROOT))
     env.pop("RAY_ADDRESS", None)
     serve_cli = str(Path(sys.executable).parent / "serve")
     proc = subprocess.Popen([serve_cli, "run", "--address", "local", str(cfg)], cwd=tmp_path, env=env,
@@ -71,6 +71,13 @@ def test_serve_run_toy_config_with_the_tiny_checkpoint(ckpt, tmp_path):
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as r:
             assert json.loads(r.read())["usage"]["completion_tokens"] == 5
+        # the documented command (auth off, single-machine Ray): nothing of it listens beyond loopback
+        import ray  # noqa: F401  (ray ships psutil)
+        import psutil
+
+        tree = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)} | {proc.pid}
+        listen = {(c.laddr.ip, c.pid) for c in psutil.net_connections("inet") if c.status == "LISTEN" and c.pid in tree}
+        assert len(listen) > 3 and all(ip in ("127.0.0.1", "::ffff:127.0.0.1") for ip, _ in listen), listen
     finally:
         os.killpg(proc.pid, signal.SIGINT)  # serve run shuts Serve and its own Ray down on Ctrl-C
         try:

@@ -16,18 +16,40 @@ from mmspec_ray.batch.jobspec import JobSpec
 log = logging.getLogger(__name__)
 
 
+# Ray's switch for single-machine Ray (what it uses on macOS and Windows): with it at 0 a node takes the loopback
+# address as its IP, and Ray's servers then listen on loopback only.
+SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
 def connect_ray(num_cpus: int | None = None, dashboard: bool = False) -> None:
-    """Join the cluster in RAY_ADDRESS (`ray job submit` sets it), else start a fresh local one (auth off unless
-    the caller set RAY_AUTH_MODE; the dashboard only with `dashboard`, which Ray Train's state checks need).
-    `address="local"`: never attach to some other `ray start` cluster on this host by accident. No-op when this
+    """Join the cluster in RAY_ADDRESS (`ray job submit` sets it), else start a fresh local one
+    (`start_local_ray`; the dashboard only with `dashboard`, which Ray Train's state checks need). No-op when this
     process is already connected."""
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):
         ray.init()
         return
+    start_local_ray(num_cpus=num_cpus, include_dashboard=dashboard)
+
+
+def start_local_ray(**kwargs) -> None:
+    """A fresh single-machine Ray (`ray.init(address="local")`: never some other `ray start` cluster on this host).
+    Auth is off unless the caller set RAY_AUTH_MODE; while it is off, every Ray server (GCS, raylets, workers,
+    agents, dashboard) listens on loopback only, so nothing on the network can reach a cluster that asks no token."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard)
+    if os.environ["RAY_AUTH_MODE"] == "disabled":
+        loopback_only()
+    ray.init(address="local", **kwargs)
+
+
+def loopback_only() -> None:
+    """Ray processes started from here on (and this one) take 127.0.0.1 as the node IP: Ray then binds its servers
+    to loopback. The environment carries it to the processes Ray starts; this process already read it at import."""
+    from ray._private import ray_constants
+
+    os.environ[SINGLE_MACHINE_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def plan_actor_cpus(spec: JobSpec) -> float:

@@ -239,8 +239,9 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine(settings, reqs)
     for i in range(3):
         engine.run(i)  # warm-up
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from mmspec_ray.batch.cluster import start_local_ray
+
+    start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": a.port})
         serve.run(build_app(args), name="bench", route_prefix="/")
