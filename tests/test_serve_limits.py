@@ -8,6 +8,7 @@ import json
 import re
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -192,3 +193,68 @@ def test_health_answers_while_a_request_decodes(serve_app):
         assert r.status == 200
     assert time.perf_counter() - t0 < 2.0
     t.join(60)
+
+
+def test_a_replica_killed_mid_request_answers_503_with_retry_after_and_is_replaced(serve_app):
+    """The `tight` app's decoder replica is killed while it decodes: the request in flight gets a 503 in the API's
+    error format with Retry-After (the ingress relays it; never the proxy's plain-text 500), and the app answers
+    again once Serve has replaced the replica."""
+    import ray
+
+    name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if "tight#ChatCompletions" in a["name"])
+    got: list = []
+
+    def long_request() -> None:
+        try:
+            with post(serve_app, "/tight/v1/chat/completions", chat(max_tokens=2000)) as r:
+                got.append((r.status, r.headers.get("Retry-After"), r.read()))
+        except urllib.error.HTTPError as e:
+            got.append((e.code, e.headers.get("Retry-After"), e.read()))
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    time.sleep(1.0)  # decoding by now (2000 tokens take seconds)
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=False)
+    t.join(60)
+    status, retry, raw = got[0]
+    assert status == 503 and retry is not None and int(retry) >= 1, (status, raw[:300])
+    err = json.loads(raw)["error"]
+    assert err["code"] == "unavailable" and "stopped before answering" in err["message"]
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            with post(serve_app, "/tight/v1/chat/completions", chat()) as r:
+                if r.status == 200:
+                    break
+        except urllib.error.HTTPError:
+            time.sleep(2)
+    else:
+        pytest.fail("the tight app did not answer again after its replica was replaced")
+
+
+def test_generated_hostile_requests_never_get_a_5xx_from_the_live_app(serve_app):
+    """The property test of test_serve_hostile.py, thrown at the running endpoint: any generated JSON in any field
+    (max_tokens kept tiny or hostile) answers 200 or 400, never 5xx."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from test_serve_hostile import FIELDS
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(fields=FIELDS, max_tokens=st.sampled_from([1, 2, 0, -1, 2**70, "x", None, 1.5]))
+    def throw(fields, max_tokens):
+        body = {**chat(), **fields, "max_tokens": max_tokens}
+        raw = json.dumps(body, allow_nan=True).encode()
+        req = urllib.request.Request(serve_app.url + "/v1/chat/completions", data=raw, method="POST",
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {serve_app.key}"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                status = r.status
+                r.read()
+        except urllib.error.HTTPError as e:
+            status = e.code
+            assert json.loads(e.read())["error"]["message"]
+        assert status in (200, 400), (status, body)
+
+    throw()

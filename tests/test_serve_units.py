@@ -178,3 +178,94 @@ def test_settings(monkeypatch):
     assert opts["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 1}
     with pytest.raises(ValueError):
         ServeSettings.model_validate({"decode": {"target": "t"}, "limitz": {}})
+
+
+# ---------------- the ingress relay (serve/relay.py), with a scripted replica ----------------
+
+class _Replica:
+    """A deployment handle's stand-in: `handle.remote(scope, body)` streams the messages of `respond(route, ...)`,
+    failing with `fail` after `after` messages (None: never)."""
+
+    def __init__(self, route, fail=None, after=0):
+        self.route, self.fail, self.after, self.cancelled = route, fail, after, False
+
+    def options(self, **_):
+        return self
+
+    @property
+    def handle(self):
+        return self
+
+    def remote(self, scope, body):
+        from mmspec_ray.serve.relay import respond
+
+        replica = self
+
+        class Gen:
+            def __init__(self):
+                self.it = respond(replica.route, scope, body).__aiter__()
+                self.n = 0
+
+            def __aiter__(self):
+                return self
+
+            async def __anext__(self):
+                if replica.fail is not None and self.n >= replica.after:
+                    raise replica.fail
+                self.n += 1
+                return await self.it.__anext__()
+
+            def cancel(self):
+                replica.cancelled = True
+
+        return Gen()
+
+
+def _call(replica, path="/v1/chat/completions", body=b"{}", limit=1 << 20):
+    """Run the relay as the ingress does, through Starlette's test client."""
+    from fastapi.testclient import TestClient
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    from mmspec_ray.serve.relay import relay
+
+    async def any_route(request):
+        return await relay(replica, request, 3.0, limit)
+
+    return TestClient(Starlette(routes=[Route("/{path:path}", any_route, methods=["GET", "POST"])])).post(
+        path, content=body)
+
+
+def test_the_relay_answers_503_with_retry_after_when_the_replica_dies_or_the_queue_is_full():
+    """A replica that dies before answering, or a full queue, is a 503 in the API's error format with Retry-After
+    (never the proxy's plain-text 500); one that dies mid-stream ends the stream with an error event; an answer
+    passes through unchanged; a body over the limit is a 413 before any replica sees it."""
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from ray.exceptions import ActorDiedError
+    from ray.serve.exceptions import BackPressureError
+
+    async def ok(request):
+        return JSONResponse({"echo": (await request.body()).decode()}, status_code=201, headers={"X-Extra": "1"})
+
+    r = _call(_Replica(ok), body=b"hello")
+    assert r.status_code == 201 and r.json() == {"echo": "hello"} and r.headers["x-extra"] == "1"
+    for fail, text in ((ActorDiedError(), "stopped before answering"),
+                       (BackPressureError(num_queued_requests=4, max_queued_requests=4), "at capacity")):
+        r = _call(_Replica(ok, fail=fail))
+        assert r.status_code == 503 and r.headers["retry-after"] in ("1", "3"), r.headers
+        assert r.json()["error"]["code"] == "unavailable" and text in r.json()["error"]["message"]
+
+    async def stream(request):
+        async def events():
+            for i in range(5):
+                yield f"data: {i}\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    full = _call(_Replica(stream))
+    assert full.status_code == 200 and full.text == "".join(f"data: {i}\n\n" for i in range(5))
+    replica = _Replica(stream, fail=ActorDiedError(), after=3)  # the start message and two events, then gone
+    cut = _call(replica)
+    assert cut.status_code == 200 and cut.text.startswith("data: 0\n\ndata: 1\n\n")
+    assert '"code":"unavailable"' in cut.text and "stopped mid-stream" in cut.text and replica.cancelled
+    big = _call(_Replica(ok), body=b"x" * 2048, limit=1024)
+    assert big.status_code == 413 and big.json()["error"]["code"] == "too_large"

@@ -1,7 +1,10 @@
 """The Ray Serve app: an OpenAI-compatible chat completions endpoint on the batch pipeline's `SpecDecoder`.
 
-One replica = one target + one drafter decoding one request at a time (batch size 1). `build_app(args)` is the
-`import_path` of a Serve config (deployments/*.yaml); `args` is `ServeSettings`.
+Two deployments. `ChatServer` (one replica = one target + one drafter decoding one request at a time, batch size 1)
+answers the routes; `HTTPFront` (no model, no CPU reserved) is the HTTP ingress and relays each request to a
+ChatServer replica through a handle, so that a ChatServer replica that dies mid-request, or a full queue, still
+answers in the API's error format (503 with `Retry-After`) instead of the proxy's plain-text 500.
+`build_app(args)` is the `import_path` of a Serve config (deployments/*.yaml); `args` is `ServeSettings`.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route parameter types at run time. Serve ships
@@ -29,20 +32,40 @@ from mmspec_ray.serve.messages import remote_media, to_request
 from mmspec_ray.serve.metrics import ServeMetrics
 from mmspec_ray.serve.protocol import ChatRequest, chunk_body, completion_body, completion_id, decode_json, \
     parse_request, spec_stats, sse_event, usage
+from mmspec_ray.serve.relay import read_body, relay, respond
 from mmspec_ray.serve.run import DecodeRun, drain
-from mmspec_ray.serve.settings import ServeSettings
+from mmspec_ray.serve.settings import FRONT_DEPLOYMENT, ServeSettings
 from mmspec_ray.serve.text import TextStream
 from mmspec_ray.targets import TargetError
 
 log = logging.getLogger(__name__)
 DEPLOYMENT_NAME = "ChatCompletions"
-api = FastAPI(title="mmspec-ray", docs_url=None, redoc_url=None)
+FRONT_NAME = "HTTPFront"
+front = FastAPI(title="mmspec-ray", docs_url=None, redoc_url=None)
+
+
+@serve.deployment(name=FRONT_NAME)
+@serve.ingress(front)
+class HTTPFront:
+    """The HTTP ingress: relays every request to a ChatServer replica (`serve/relay.py`) and answers in the API's
+    error format when none can take it (queue full) or the one decoding it died: 503 with `Retry-After`."""
+
+    def __init__(self, chat: Any, model: str, retry_after_s: float, max_body_bytes: int) -> None:
+        self.chat = chat
+        self.retry_after_s = retry_after_s
+        self.max_body_bytes = max_body_bytes
+        self.metrics = ServeMetrics(model)
+
+    @front.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    async def any_route(self, path: str, request: HTTPRequest) -> Any:
+        # the answers the relay makes itself (413, 503) are counted here, as stream "false" (it does not parse bodies)
+        return await relay(self.chat, request, self.retry_after_s, self.max_body_bytes,
+                           counted=lambda status: self.metrics.request(status, False))
 
 
 @serve.deployment(name=DEPLOYMENT_NAME)
-@serve.ingress(api)
 class ChatServer:
-    """FastAPI ingress + SpecDecoder in one replica."""
+    """SpecDecoder behind the API's routes, one request decoding at a time; HTTPFront relays requests here."""
 
     def __init__(self, settings: dict[str, Any]) -> None:
         self.settings = s = ServeSettings.model_validate(settings)
@@ -55,6 +78,23 @@ class ChatServer:
         self.counts: Counter[str] = Counter()
         self.metrics = ServeMetrics(self.model)
 
+    async def handle(self, scope: dict[str, Any], body: bytes) -> AsyncIterator[dict[str, Any]]:
+        """One HTTP request (its ASGI scope and body, from HTTPFront) -> the response's ASGI messages, streamed."""
+        async for message in respond(self.route, scope, body):
+            yield message
+
+    async def route(self, request: HTTPRequest) -> Any:
+        """The response of the route the request names (404 in the API's format for any other)."""
+        method, path = request.method, request.url.path
+        if path == "/health" and method == "GET":
+            return JSONResponse(await self.health())
+        if path == "/v1/models" and method == "GET":
+            return await self.models(request)
+        if path == "/v1/chat/completions" and method == "POST":
+            return await self.chat(request)
+        return APIError(404, f"no route {method} {path}: this server answers POST /v1/chat/completions, "
+                        "GET /v1/models and GET /health", code="not_found").response()
+
     # ---------- Serve hooks ----------
     def check_health(self) -> None:
         """Serve's periodic probe: the decode thread pool must still accept work."""
@@ -66,11 +106,9 @@ class ChatServer:
         return dict(self.counts, waiting=self.waiting, decoding=int(self.slot.locked()))
 
     # ---------- routes ----------
-    @api.get("/health")
     async def health(self) -> dict[str, Any]:
         return {"status": "ok", "model": self.model, "decoding": self.slot.locked(), "waiting": self.waiting}
 
-    @api.get("/v1/models")
     async def models(self, request: HTTPRequest) -> JSONResponse:
         try:
             self._auth(request)
@@ -79,7 +117,6 @@ class ChatServer:
         return JSONResponse({"object": "list", "data": [
             {"id": self.model, "object": "model", "created": 0, "owned_by": "mmspec-ray"}]})
 
-    @api.post("/v1/chat/completions")
     async def chat(self, request: HTTPRequest) -> Any:
         t0 = time.perf_counter()
         stream = False
@@ -131,18 +168,7 @@ class ChatServer:
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     async def _json(self, request: HTTPRequest) -> Any:
-        limit = self.settings.limits.max_body_bytes
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise APIError(413, f"request body of {declared} bytes is over this server's limit of {limit} bytes",
-                           code="too_large")
-        body, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(413, f"request body is over this server's limit of {limit} bytes", code="too_large")
-            body.append(chunk)
-        return decode_json(b"".join(body))
+        return decode_json(await read_body(request, self.settings.limits.max_body_bytes))
 
     async def _start(self, req: ChatRequest) -> tuple[DecodeRun, Any]:
         """Check the request, decode its media, wait for the decoder and start decoding. A stream also waits for
@@ -300,4 +326,7 @@ def build_app(args: dict[str, Any]) -> Application:
         cpus = (options.get("ray_actor_options") or {}).get("num_cpus") or 1
         decode = decode.model_copy(update={"torch_threads": max(1, math.ceil(cpus))})
     settings = settings.model_copy(update={"decode": decode})
-    return ChatServer.options(**options).bind(settings.model_dump(mode="json"))
+    chat = ChatServer.options(**options).bind(settings.model_dump(mode="json"))
+    retry = float((options.get("backpressure_config") or {}).get("retry_after_s") or 1)
+    return HTTPFront.options(**FRONT_DEPLOYMENT).bind(chat, settings.served_name, retry,
+                                                      settings.limits.max_body_bytes)

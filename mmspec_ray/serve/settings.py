@@ -22,6 +22,14 @@ DEFAULT_DEPLOYMENT: dict[str, Any] = {
 }
 
 
+# The HTTP ingress (`HTTPFront`): it holds no model and only relays, so it reserves no CPU and never queues; the
+# chat deployment's queue bound answers overload.
+FRONT_DEPLOYMENT: dict[str, Any] = {
+    "max_ongoing_requests": 1000,
+    "ray_actor_options": {"num_cpus": 0},
+}
+
+
 class FetchSettings(BaseModel):
     """Media URLs a client may name: plain http(s) only for listed hosts (private, loopback and link-local addresses
     refused whatever the list says), s3:// only in listed buckets, so no client makes the server read an object

@@ -35,6 +35,8 @@ from mmspec_ray.training.trainer import TrainConfig, heldout_tau, stage_schedule
 
 if TYPE_CHECKING:
     from mmspec_ray.targets.base import VLMTarget
+    from mmspec_ray.targets.layout import CheckpointLayout
+    from mmspec_ray.training.choose import DataMix
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -139,7 +141,7 @@ def run_train_job(job: TrainJob, dry_run: bool = False) -> dict[str, Any]:
     first; `dry_run`: print it and return {"plan": ..., "dry_run": True}, no model loaded, nothing written."""
     from mmspec_ray.batch.cluster import connect_ray
     from mmspec_ray.training.choose import data_mix
-    from mmspec_ray.training.plan import format_train_plan, train_plan
+    from mmspec_ray.training.plan import format_train_plan
 
     job = absolute_paths(job)
     m = training_method(job.method)
@@ -191,6 +193,29 @@ def run_train_job(job: TrainJob, dry_run: bool = False) -> dict[str, Any]:
     ShardStore(job.out, cfg.s3).write("history.json", json.dumps(summary, indent=2).encode())
     log.info("drafter %s for %s written to %s: held-out τ %.3f on %d rows", m.name, job.target, job.out, tau, n_held)
     return summary
+
+
+def train_plan(job: TrainJob, layout: "CheckpointLayout", rows: int, mix: "DataMix") -> dict[str, Any]:
+    """The plan as a dict (also the summary's `plan`); `rows`: input rows after --limit; `mix`: their kinds."""
+    m = training_method(job.method)
+    stages = stage_schedule(m, job.train)
+    dtype = job.decode.get("dtype", "auto")
+    if dtype == "auto":
+        dtype = "bfloat16" if job.use_gpu else "float32"
+    temp = job.recipe.temperature
+    return {
+        "target": job.target, "family": layout.model_type, "parameters": layout.parameters,
+        "data": job.data, "rows": rows, "train_rows": rows - job.heldout, "heldout_rows": job.heldout,
+        "mix": {"video": mix.video, "image": mix.image, "text": mix.text},
+        "method": m.name, "method_why": job.method_why,
+        "datagen": {"actors": job.datagen_actors, "gpus_per_actor": job.gpus_per_actor, "dtype": dtype,
+                    "answers": "greedy" if temp == 0 else f"sampled at T = {temp:g}",
+                    "max_new_tokens": job.recipe.max_new_tokens},
+        "trainer": {"kind": "ray-train" if job.num_workers else "single-process", "workers": job.num_workers,
+                    "gpu": job.use_gpu, "cpus_per_worker": job.cpus_per_worker, "epochs": job.train.epochs,
+                    "text_epochs": stages.text_epochs, "batch_size": job.train.batch_size},
+        "work": job.work_dir, "out": job.out,
+    }
 
 
 def on_target_node(job: TrainJob, fn: Callable[..., T], *args: Any) -> T:

@@ -1,44 +1,13 @@
 """The plan `mmspec train-drafter --data` and `jobs/train_drafter.py` print before any work (and `--dry-run`
-prints alone): the target, the data and its mix, the method and why, who answers the prompts and where, the
-trainer, and where features and the drafter go. Made from the checkpoint's files and the input's metadata only:
-no model is loaded."""
+prints alone), as terminal lines: the target, the data and its mix, the method and why, who answers the prompts
+and where, the trainer, and where features and the drafter go. The plan itself (`training.pipeline.train_plan`) is
+made from the checkpoint's files and the input's metadata only: no model is loaded."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mmspec_ray.batch.plan import params_text
-
-if TYPE_CHECKING:
-    from mmspec_ray.targets.layout import CheckpointLayout
-    from mmspec_ray.training.choose import DataMix
-    from mmspec_ray.training.pipeline import TrainJob
-
-
-def train_plan(job: "TrainJob", layout: "CheckpointLayout", rows: int, mix: "DataMix") -> dict[str, Any]:
-    """The plan as a dict (also the summary's `plan`); `rows`: input rows after --limit; `mix`: their kinds."""
-    from mmspec_ray.training.methods import training_method
-    from mmspec_ray.training.schedule import stage_schedule
-
-    m = training_method(job.method)
-    stages = stage_schedule(m, job.train)
-    dtype = job.decode.get("dtype", "auto")
-    if dtype == "auto":
-        dtype = "bfloat16" if job.use_gpu else "float32"
-    temp = job.recipe.temperature
-    return {
-        "target": job.target, "family": layout.model_type, "parameters": layout.parameters,
-        "data": job.data, "rows": rows, "train_rows": rows - job.heldout, "heldout_rows": job.heldout,
-        "mix": {"video": mix.video, "image": mix.image, "text": mix.text},
-        "method": m.name, "method_why": job.method_why,
-        "datagen": {"actors": job.datagen_actors, "gpus_per_actor": job.gpus_per_actor, "dtype": dtype,
-                    "answers": "greedy" if temp == 0 else f"sampled at T = {temp:g}",
-                    "max_new_tokens": job.recipe.max_new_tokens},
-        "trainer": {"kind": "ray-train" if job.num_workers else "single-process", "workers": job.num_workers,
-                    "gpu": job.use_gpu, "cpus_per_worker": job.cpus_per_worker, "epochs": job.train.epochs,
-                    "text_epochs": stages.text_epochs, "batch_size": job.train.batch_size},
-        "work": job.work_dir, "out": job.out,
-    }
 
 
 def format_train_plan(plan: dict[str, Any]) -> str:
