@@ -83,9 +83,12 @@ class ServeApp:
 
     @staticmethod
     def handle(name: str):
+        """A handle to app `name`'s decoder deployment (ChatServer: its `stats()`), behind the HTTP ingress."""
         from ray import serve
 
-        return serve.get_app_handle(name)
+        from mmspec_ray.serve.app import DEPLOYMENT_NAME
+
+        return serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=name)
 
 
 def app_args(ckpt: str, s3_config, **over: Any) -> dict[str, Any]:

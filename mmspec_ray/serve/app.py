@@ -85,7 +85,9 @@ class ChatServer:
 
     async def route(self, request: HTTPRequest) -> Any:
         """The response of the route the request names (404 in the API's format for any other)."""
-        method, path = request.method, request.url.path
+        method, path, root = request.method, request.scope["path"], request.scope.get("root_path", "")
+        if root and path.startswith(root):  # an app under a route prefix: its routes are below it
+            path = path[len(root):] or "/"
         if path == "/health" and method == "GET":
             return JSONResponse(await self.health())
         if path == "/v1/models" and method == "GET":
