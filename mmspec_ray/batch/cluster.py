@@ -52,6 +52,25 @@ def loopback_only() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
+def serve_replica_on_loopback() -> None:
+    """In a Serve replica of a single-machine Ray (`loopback_only`'s mode): Serve's per-replica inter-deployment gRPC
+    server, which Ray Serve binds to every interface (`[::]:0`), binds to 127.0.0.1 instead. Call it in the
+    deployment's constructor (Serve starts that server right after). No-op elsewhere."""
+    if os.environ.get(SINGLE_MACHINE_ENV) != "0":
+        return
+    from ray.serve._private import replica
+
+    bind = replica.add_port_to_grpc_server
+    if getattr(bind, "loopback", False):
+        return
+
+    def on_loopback(server, address: str):
+        return bind(server, address.replace("[::]", "127.0.0.1").replace("0.0.0.0", "127.0.0.1"))
+
+    on_loopback.loopback = True
+    replica.add_port_to_grpc_server = on_loopback
+
+
 def plan_actor_cpus(spec: JobSpec) -> float:
     """CPUs per decoder actor, lowered so the pool never takes every CPU: read, media and write tasks need one
     (on a 2-CPU machine a pool holding both CPUs deadlocks the reads)."""

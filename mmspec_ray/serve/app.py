@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve import Application
 
+from mmspec_ray.batch.cluster import serve_replica_on_loopback
 from mmspec_ray.batch.plan import auto_gpus
 from mmspec_ray.batch.decoder import SpecDecoder
 from mmspec_ray.config import SamplingParams
@@ -51,6 +52,7 @@ class HTTPFront:
     error format when none can take it (queue full) or the one decoding it died: 503 with `Retry-After`."""
 
     def __init__(self, chat: Any, model: str, retry_after_s: float, max_body_bytes: int) -> None:
+        serve_replica_on_loopback()
         self.chat = chat
         self.retry_after_s = retry_after_s
         self.max_body_bytes = max_body_bytes
@@ -68,6 +70,7 @@ class ChatServer:
     """SpecDecoder behind the API's routes, one request decoding at a time; HTTPFront relays requests here."""
 
     def __init__(self, settings: dict[str, Any]) -> None:
+        serve_replica_on_loopback()
         self.settings = s = ServeSettings.model_validate(settings)
         self.api_key = s.api_key()
         self.model = s.served_name
