@@ -247,3 +247,60 @@ def test_dream_sampling_output_distribution_equals_the_target(tmp_path):
     out = train_drafter("dream", target, mm, tmp_path / "d", cfg)
     d = load_drafter(str(out), target)
     check_trained_drafter_samples(target, d, req, min_accepted=SAMPLED_FLOOR)
+
+
+def test_attention_probes_of_decoders_in_two_threads_never_mix():
+    """DREAM's attention statistics (the probe wraps HF's attention function) of two targets prefilled at once in
+    two threads equal what each gives alone; a forward in another thread while a probe is open is not recorded."""
+    import threading
+
+    from mmspec_ray.targets.attention import probe_attention
+
+    targets = [wrap(*tiny_llava(seed=s, init=0.3)) for s in (1, 2)]
+    reqs = [Request(prompt="describe the image", images=tuple(random_images(1, seed=s))) for s in (3, 4)]
+    layers = (0, 1)
+
+    def entropy(i: int) -> dict:
+        with torch.inference_mode():
+            out = targets[i].prefill(targets[i].encode(reqs[i]), entropy_layers=layers)
+        return {k: v.clone() for k, v in out.attention_entropy.items()}
+
+    alone = [entropy(0), entropy(1)]
+    got: dict[int, list] = {0: [], 1: []}
+
+    def worker(i: int) -> None:
+        for _ in range(6):
+            got[i].append(entropy(i))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in (0, 1):
+        for e in got[i]:
+            assert set(e) == set(alone[i]) and all(torch.equal(e[k], alone[i][k]) for k in e), i
+    # probes that overlap without nesting: the other thread opens its probe first and closes it while this one is
+    # open; this one must still record its own forward (a probe that swapped HF's function in and out would have
+    # restored the unwrapped one under it), and nothing of the other thread's
+    opened, go, closed = threading.Event(), threading.Event(), threading.Event()
+
+    def other() -> None:
+        with probe_attention(targets[1].model, layers):
+            opened.set()
+            go.wait(30)
+            with torch.inference_mode():
+                targets[1].model(**targets[1].encode(reqs[1]))
+        closed.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    opened.wait(30)
+    with probe_attention(targets[0].model, layers) as records:
+        go.set()
+        closed.wait(30)
+        assert records == {}  # the other thread's forward went to its own probe
+        with torch.inference_mode():
+            targets[0].model(**targets[0].encode(reqs[0]))
+        assert sorted(records) == sorted(layers), records
+    t.join()

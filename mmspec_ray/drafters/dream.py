@@ -31,7 +31,7 @@ from torch import nn
 
 from mmspec_ray.drafters.base import register_drafter
 from mmspec_ray.drafters.eagle import Eagle2Config, Eagle2Drafter, Eagle2Head
-from mmspec_ray.drafters.layers import DecoderLayer, RMSNorm
+from mmspec_ray.drafters.layers import DecoderLayer, RMSNorm, extend_mask
 from mmspec_ray.decoding.tree import DraftTree, TreeConfig, grow_ancestors, grow_dynamic_tree
 
 if TYPE_CHECKING:
@@ -258,11 +258,10 @@ class DreamDrafter(Eagle2Drafter):
         S, T = self.ctx_len, embeds.shape[0]
         dev = self.target.device
         self._reserve(S + T)
-        mask = torch.ones((T, S + T), dtype=torch.bool, device=dev)
-        mask[:, S:] = torch.ones((T, T), dtype=torch.bool, device=dev).tril()
+        mask = extend_mask(S, T, dev)
         cross = torch.arange(self.mem_len, device=dev)[None] <= orig.to(dev)[:, None]
         pos = torch.arange(S, S + T, device=dev)[None]
-        out, _, _ = self.head(embeds[None], pos, mask[None, None], self.mem[0][:, :, :self.mem_len],
+        out, _, _ = self.head(embeds[None], pos, mask, self.mem[0][:, :, :self.mem_len],
                               self.mem[1][:, :, :self.mem_len], cross[None, None], (self.kv, self.kv3), S)
         self.ctx_len = S + T
         self.last = out[0, -1:]

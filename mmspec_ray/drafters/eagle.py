@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from mmspec_ray.drafters.base import check_device, register_drafter
-from mmspec_ray.drafters.layers import DecoderLayer
+from mmspec_ray.drafters.layers import DecoderLayer, extend_mask
 from mmspec_ray.decoding.tree import DraftTree, TreeConfig, grow_ancestors, grow_dynamic_tree
 
 if TYPE_CHECKING:
@@ -228,10 +228,9 @@ class Eagle2Drafter:
         S, T = self.ctx_len, embeds.shape[0]
         dev = self.target.device
         self._reserve(S + T)
-        mask = torch.ones((T, S + T), dtype=torch.bool, device=dev)
-        mask[:, S:] = torch.ones((T, T), dtype=torch.bool, device=dev).tril()
+        mask = extend_mask(S, T, dev)
         pos = torch.arange(S, S + T, device=dev)[None] + self.pos_offset
-        out = self.head(embeds[None], feats[None], pos, mask[None, None], self.kv, S,
+        out = self.head(embeds[None], feats[None], pos, mask, self.kv, S,
                         None if visual is None else visual[None].to(dev))
         self.ctx_len = S + T
         self.last = out[0, -1:]

@@ -72,6 +72,14 @@ class DecoderLayer(nn.Module):
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
+def extend_mask(S: int, T: int, device: torch.device | str) -> torch.Tensor:
+    """[1, 1, T, S + T] bool: T new entries appended after S context entries see all of the context and, causally,
+    each other (how every drafter runs new entries after its cached context)."""
+    mask = torch.ones((T, S + T), dtype=torch.bool, device=device)
+    mask[:, S:] = torch.ones((T, T), dtype=torch.bool, device=device).tril()
+    return mask[None, None]
+
+
 def causal_pad_mask(valid: torch.Tensor) -> torch.Tensor:
     """[B, 1, T, T] bool: causal, no attention to padding (padding rows attend to themselves to stay finite)."""
     T = valid.shape[1]

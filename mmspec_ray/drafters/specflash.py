@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import nn
 
+from mmspec_ray.drafters.layers import extend_mask
 from mmspec_ray.drafters.base import register_drafter
 from mmspec_ray.drafters.eagle import Eagle2Config, Eagle2Drafter, Eagle2Head
 from mmspec_ray.decoding.tree import DraftTree, TreeConfig, depths
@@ -176,10 +177,9 @@ class SpecFlashDrafter(Eagle2Drafter):
         S, T = self.ctx_len, x.shape[0]
         dev = self.target.device
         self._reserve(S + T)
-        mask = torch.ones((T, S + T), dtype=torch.bool, device=dev)
-        mask[:, S:] = torch.ones((T, T), dtype=torch.bool, device=dev).tril()
+        mask = extend_mask(S, T, dev)
         pos = torch.arange(S, S + T, device=dev)[None]
-        out = self.head.layer(x[None], pos, mask[None, None], self.kv, S)[0]
+        out = self.head.layer(x[None], pos, mask, self.kv, S)[0]
         self.ctx_len = S + (T if commit is None else commit)
         return out
 

@@ -29,7 +29,7 @@ from torch import nn
 from mmspec_ray.drafters.base import register_drafter
 from mmspec_ray.drafters.eagle import Eagle2Config, Eagle2Drafter, Eagle2Head
 from mmspec_ray.targets.base import pieces_of
-from mmspec_ray.drafters.layers import rms_normalise
+from mmspec_ray.drafters.layers import extend_mask, rms_normalise
 
 if TYPE_CHECKING:
     from mmspec_ray.targets.base import TargetOutput, VLMTarget
@@ -181,8 +181,7 @@ class ViSpecDrafter(Eagle2Drafter):
         S, T = self.ctx_len, x.shape[0]
         dev = self.target.device
         self._reserve(S + T)
-        mask = torch.ones((T, S + T), dtype=torch.bool, device=dev)
-        mask[:, S:] = torch.ones((T, T), dtype=torch.bool, device=dev).tril()
-        out = self.head.layer(x[None], pos[None].to(dev), mask[None, None], self.kv, S)
+        mask = extend_mask(S, T, dev)
+        out = self.head.layer(x[None], pos[None].to(dev), mask, self.kv, S)
         self.ctx_len = S + T
         self.last = out[0, -1:]

@@ -1,9 +1,10 @@
 """Attention statistics of chosen target decoder layers in one forward, whatever the attention kernel.
 
 HF's fused kernels (sdpa, flash) return no attention weights. `probe_attention` wraps the attention function the
-decoder layers call (the model's `AttentionInterface` entry) and records, for the tracked layers only, the queries
-and keys exactly as the kernel receives them (after every family's own RoPE / M-RoPE and q/k norms), with the mask
-and scaling; the kernel itself still computes the layer's output, so the forward is unchanged bit for bit. An eager
+decoder layers call (the model's `AttentionInterface` entry, once per process, recording only for the probe active in
+the calling thread, so two decoders in one process never see each other's records) and records, for the tracked
+layers only, the queries and keys exactly as the kernel receives them (after every family's own RoPE / M-RoPE and
+q/k norms), with the mask and scaling; the kernel itself still computes the layer's output, so the forward is unchanged bit for bit. An eager
 model returns its weights, which a forward hook reads instead. `reduce_attention` then rebuilds the probabilities
 in query chunks (never the whole [H, n, n] at once) and reduces them: the attention each key position receives
 from chosen query rows (DREAM's visual token compression) and each query row's entropy (DREAM's layer selection).
@@ -11,8 +12,10 @@ from chosen query rows (DREAM's visual token compression) and each query row's e
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -63,23 +66,43 @@ def probe_attention(model: nn.Module, layers: Iterable[int]) -> Iterator[dict[in
             for h in hooks:
                 h.remove()
         return
-    tracked = {id(mods[i]): i for i in wanted}
-    mapping = ALL_ATTENTION_FUNCTIONS._local_mapping if impl in ALL_ATTENTION_FUNCTIONS._local_mapping \
-        else type(ALL_ATTENTION_FUNCTIONS)._global_mapping
-    original = mapping[impl]
-
-    def recording(module, query, key, value, attention_mask, *args, **kwargs):
-        i = tracked.get(id(module))
-        if i is not None:
-            records[i] = LayerAttention(q=query.detach(), k=key.detach(), mask=attention_mask,
-                                        scaling=kwargs.get("scaling"))
-        return original(module, query, key, value, attention_mask, *args, **kwargs)
-
-    mapping[impl] = recording
+    _install_recorder(impl)
+    token = _ACTIVE.set(({id(mods[i]): i for i in wanted}, records))
     try:
         yield records
     finally:
-        mapping[impl] = original
+        _ACTIVE.reset(token)
+
+
+# The probe of this thread (or task), if any: (id of a tracked attention module -> its layer, the records). The
+# recording wrapper is installed once per attention implementation and left in place; it records only for the
+# probe active in the calling context, so decoders in other threads are neither recorded nor disturbed.
+_ACTIVE: ContextVar[tuple[dict[int, int], dict[int, LayerAttention]] | None] = ContextVar("mmspec_attention_probe",
+                                                                                          default=None)
+_INSTALLED: set[str] = set()
+_INSTALL_LOCK = threading.Lock()
+
+
+def _install_recorder(impl: str) -> None:
+    """Wrap the `impl` attention function (transformers' AttentionInterface entry) with the recorder, once."""
+    with _INSTALL_LOCK:
+        if impl in _INSTALLED:
+            return
+        mapping = ALL_ATTENTION_FUNCTIONS._local_mapping if impl in ALL_ATTENTION_FUNCTIONS._local_mapping \
+            else type(ALL_ATTENTION_FUNCTIONS)._global_mapping
+        original = mapping[impl]
+
+        def recording(module, query, key, value, attention_mask, *args, **kwargs):
+            probe = _ACTIVE.get()
+            if probe is not None:
+                i = probe[0].get(id(module))
+                if i is not None:
+                    probe[1][i] = LayerAttention(q=query.detach(), k=key.detach(), mask=attention_mask,
+                                                 scaling=kwargs.get("scaling"))
+            return original(module, query, key, value, attention_mask, *args, **kwargs)
+
+        mapping[impl] = recording
+        _INSTALLED.add(impl)
 
 
 def _chunk_probs(rec: LayerAttention, lo: int, hi: int) -> torch.Tensor:
