@@ -9,7 +9,8 @@ on a worker: the driver hands over the head's config and the target's LM-head we
 Data loop (so that memory per worker is one shard, whatever the data set's size): every epoch the shard order is
 drawn from (seed, epoch), identically on every worker; worker r reads shards r, r+W, r+2W ... of that order (its
 own, disjoint from the others'), shuffles each shard's examples, and cuts batches of batch_size / W (the batch size
-must split; there must be at least W shards). Every worker runs the same number of steps: the fewest full local
+must split; there must be at least W shards). Gradients are averaged by PyTorch DDP (`ray.train.torch.prepare_model`
+around the method's loss as a module, `MethodLoss`). Every worker runs the same number of steps: the fewest full local
 batches any worker's shards hold, so one step consumes one global batch of `batch_size` examples and, with
 balanced shards, an epoch sees every kept example about once. A two-stage schedule keeps, per shard, its share
 r_e * n / N_mm of multimodal and (1 - r_e) * n / N_text of text-only examples (n = min(N_mm, N_text), rounded per
@@ -38,7 +39,7 @@ from mmspec_ray.config import S3Config
 from mmspec_ray.training.methods import training_method
 from mmspec_ray.training.schedule import StageSchedule
 from mmspec_ray.training.shards import FeatureExample, ShardStore
-from mmspec_ray.training.trainer import TrainConfig, make_optimizer, stage_schedule, to_device, train_step
+from mmspec_ray.training.trainer import MethodLoss, TrainConfig, make_optimizer, stage_schedule, to_device, train_step
 
 log = logging.getLogger(__name__)
 
@@ -176,31 +177,6 @@ def local_batches(load: Callable[[str], list[FeatureExample]], manifest: dict[st
                     yield pool, chunk[b0:b0 + local_bs]
 
 
-def _average_grads(head: torch.nn.Module) -> None:
-    """All-reduce every gradient and divide by the world size (what DDP does, method-agnostic: a method's loss may
-    call its head's parts directly, which DDP's forward hooks would miss)."""
-    import torch.distributed as dist
-
-    world = dist.get_world_size()
-    grads = [p.grad for p in head.parameters() if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= world
-    at = 0
-    for g in grads:
-        g.copy_(flat[at:at + g.numel()].view_as(g))
-        at += g.numel()
-
-
-def _broadcast_params(head: torch.nn.Module) -> None:
-    import torch.distributed as dist
-
-    for p in head.parameters():
-        dist.broadcast(p.data, src=0)
-
-
 def read_selection(path: str | None, s3: S3Config) -> dict[str, dict[str, Any]] | None:
     if path is None:
         return None
@@ -218,6 +194,7 @@ def _load_lm_head(path: str, s3: S3Config, device: torch.device) -> torch.Tensor
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """The Ray Train worker function: resume from the last checkpoint if any, then train epoch by epoch."""
     import ray.train
+    import ray.train.torch
     import torch.distributed as dist
     from ray.train import Checkpoint
 
@@ -244,6 +221,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     torch.manual_seed(cfg.seed)
     head = m.head_from_config(init.head_config).float().to(device).train()
     W = _load_lm_head(init.lm_head_path, s3, device)
+    # DDP through Ray Train: gradients averaged across workers in backward, the same start on every worker (DDP
+    # broadcasts rank 0's parameters when it wraps); unused parameters allowed (a stage may leave some idle)
+    loss_fn = ray.train.torch.prepare_model(MethodLoss(m, head, W, cfg.p_weight), move_to_device=False,
+                                            parallel_strategy_kwargs={"find_unused_parameters": True})
     opt, sched = make_optimizer(head, cfg, sum(steps_of))
     history: list[dict[str, Any]] = []
     starts: list[int] = []
@@ -257,8 +238,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         sched.load_state_dict(st["sched"])
         start_epoch, history, starts = st["epoch"], st["history"], st.get("starts", [])
         log.info("worker %d/%d: resuming %s training at epoch %d", rank, world, m.name, start_epoch)
-    else:
-        _broadcast_params(head)  # identical start on every worker whatever its RNG did
     starts.append(start_epoch)
     for epoch in range(start_epoch, cfg.epochs):
         t0 = time.time()
@@ -272,7 +251,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         for _ in range(steps):
             pool, idx = next(batches)
             batch = to_device(m.collate(pool, idx, cfg.noise, gen), device)
-            loss, parts = train_step(m, head, batch, W, cfg, opt, sched, reduce_grads=_average_grads)
+            loss, parts = train_step(m, head, batch, W, cfg, opt, sched, loss_fn=loss_fn)
             sums["loss"] += loss
             for k, v in parts.items():
                 sums[k] = sums.get(k, 0.0) + v

@@ -66,16 +66,29 @@ def make_optimizer(head: torch.nn.Module, cfg: TrainConfig, total_steps: int):
     return opt, sched
 
 
+class MethodLoss(torch.nn.Module):
+    """A method's loss on its head as a module's forward (batch -> (loss, parts)): what data-parallel training wraps
+    in DDP, so every use of the head's parameters, however many passes the method's loss makes, is inside the
+    forward DDP tracks."""
+
+    def __init__(self, m: TrainingMethod, head: torch.nn.Module, W: torch.Tensor, p_weight: float) -> None:
+        super().__init__()
+        self.m, self.head, self.p_weight = m, head, p_weight
+        self.W = [W]  # the target's LM head: not a parameter or buffer (DDP would broadcast it every step)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        return self.m.loss(self.head, batch, self.W[0], self.p_weight)
+
+
 def train_step(m: TrainingMethod, head: torch.nn.Module, batch: dict[str, torch.Tensor], W: torch.Tensor,
-               cfg: TrainConfig, opt, sched, reduce_grads: Callable[[torch.nn.Module], None] | None = None
+               cfg: TrainConfig, opt, sched, loss_fn: Callable[[dict], tuple[torch.Tensor, dict]] | None = None
                ) -> tuple[float, dict[str, float]]:
-    """One optimiser step on one batch: the method's loss, backward, (data-parallel gradient averaging across
-    workers via `reduce_grads`), value clipping, AdamW and the LR schedule. Returns (loss, the loss's parts)."""
-    loss, parts = m.loss(head, batch, W, cfg.p_weight)
+    """One optimiser step on one batch: the method's loss (through `loss_fn` when given: a DDP-wrapped
+    `MethodLoss`, whose backward averages the gradients across workers), backward, value clipping, AdamW and the
+    LR schedule. Returns (loss, the loss's parts)."""
+    loss, parts = loss_fn(batch) if loss_fn is not None else m.loss(head, batch, W, cfg.p_weight)
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    if reduce_grads is not None:
-        reduce_grads(head)
     torch.nn.utils.clip_grad_value_(head.parameters(), cfg.grad_clip)
     opt.step()
     sched.step()
