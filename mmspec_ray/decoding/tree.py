@@ -152,6 +152,28 @@ def _close_under_parents(keep: torch.Tensor, par: torch.Tensor) -> torch.Tensor:
     return torch.tensor(sorted(kept), dtype=torch.long)
 
 
+class TreeSteps:
+    """What a drafter's dynamic-tree expansion keeps across its steps (the one copy EAGLE-2 and DREAM share): each
+    expanded node's level (root's children: 1) and the ancestor-or-self matrix among the expanded nodes."""
+
+    def __init__(self, context: int, device: torch.device | str) -> None:
+        self.context = context  # cached context entries every draft node sees
+        self.levels: list[int] = []
+        self.anc = torch.zeros((0, 0), dtype=torch.bool, device=device)
+
+    def add(self, parents: torch.Tensor) -> tuple[int, list[int], torch.Tensor, torch.Tensor]:
+        """Register the new nodes of one step (`parents` [k] among the expanded nodes, -1: the root). Returns
+        (nodes expanded before, the new nodes' levels, their attention mask [k, context + expanded] over the
+        context and their ancestors-or-self, their rows of the ancestor matrix [k, expanded])."""
+        before, k = self.anc.shape[0], parents.shape[0]
+        levels = [1 if p < 0 else self.levels[p] + 1 for p in parents.tolist()]
+        self.anc = grow_ancestors(self.anc, parents)
+        new = self.anc[before:]
+        mask = torch.cat([torch.ones((k, self.context), dtype=torch.bool, device=new.device), new], 1)
+        self.levels.extend(levels)
+        return before, levels, mask, new
+
+
 def grow_ancestors(anc: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
     """One expansion step of a drafter's tree: `anc` [n, n] ancestor-or-self among the n nodes expanded so far,
     `parents` [k] the new nodes' parents among them (-1: the root). Returns the grown [n + k, n + k] matrix; its last

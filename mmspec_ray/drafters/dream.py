@@ -32,7 +32,7 @@ from torch import nn
 from mmspec_ray.drafters.base import register_drafter
 from mmspec_ray.drafters.eagle import Eagle2Config, Eagle2Drafter, Eagle2Head
 from mmspec_ray.drafters.layers import DecoderLayer, RMSNorm, extend_mask
-from mmspec_ray.decoding.tree import DraftTree, TreeConfig, grow_ancestors, grow_dynamic_tree
+from mmspec_ray.decoding.tree import DraftTree, TreeConfig, TreeSteps, grow_dynamic_tree
 
 if TYPE_CHECKING:
     from mmspec_ray.targets.base import TargetOutput, VLMTarget
@@ -202,27 +202,18 @@ class DreamDrafter(Eagle2Drafter):
         self._reserve_memory(M + 1 + cfg.top_k * cfg.depth)
         self._write_memory(self.last, M)  # scratch slot M: the root's draft feature (every node's ancestor)
         root_logp = torch.log_softmax(self.target.lm_head(self.last).float(), -1)[0]
-        lvl: list[int] = []  # tree level of each expanded node (root's children: 1)
-        anc = torch.zeros((0, 0), dtype=torch.bool, device=dev)  # ancestor-or-self among expanded nodes
+        tree = TreeSteps(S, dev)
 
         def step(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
-            nonlocal anc
-            n_prev, k = anc.shape[0], tokens.shape[0]
-            par = parents.tolist()
-            levels = [1 if p < 0 else lvl[p] + 1 for p in par]
-            anc = grow_ancestors(anc, parents)
-            new = anc[n_prev:]
+            n_prev, levels, mask, new = tree.add(parents)
             seen = new[:, :n_prev]  # strict ancestors among expanded
-            ones = torch.ones((k, S), dtype=torch.bool, device=dev)
-            mask = torch.cat([ones, new], 1)
-            cross = torch.cat([torch.ones((k, M + 1), dtype=torch.bool, device=dev), seen], 1)
+            cross = torch.cat([torch.ones((tokens.shape[0], M + 1), dtype=torch.bool, device=dev), seen], 1)
             n_mem = M + 1 + n_prev
             pos = torch.tensor([[S - 1 + lv for lv in levels]], device=dev)
             out, _, _ = self.head(self._embed(tokens.tolist())[None], pos, mask[None, None],
                                   self.mem[0][:, :, :n_mem], self.mem[1][:, :, :n_mem], cross[None, None],
                                   (self.kv, self.kv3), S + n_prev)  # scratch slots, overwritten next cycle
             self._write_memory(out[0], n_mem)  # these nodes' features, for their children
-            lvl.extend(levels)
             self.passes += 1
             return torch.log_softmax(self.target.lm_head(out[0]).float(), -1).cpu()
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from mmspec_ray.drafters.base import check_device, register_drafter
 from mmspec_ray.drafters.layers import DecoderLayer, extend_mask
-from mmspec_ray.decoding.tree import DraftTree, TreeConfig, grow_ancestors, grow_dynamic_tree
+from mmspec_ray.decoding.tree import DraftTree, TreeConfig, TreeSteps, grow_dynamic_tree
 
 if TYPE_CHECKING:
     from mmspec_ray.targets.base import TargetOutput, VLMTarget
@@ -176,25 +176,17 @@ class Eagle2Drafter:
         self._reserve(S + cfg.top_k * cfg.depth)
         root_logp = torch.log_softmax(self.target.lm_head(self.last).float(), -1)[0]
         hid: list[torch.Tensor] = []  # draft outputs of expanded nodes, one [k, d] per step
-        lvl: list[int] = []  # tree level of each expanded node (root's children: 1)
-        anc = torch.zeros((0, 0), dtype=torch.bool, device=dev)  # ancestor-or-self among expanded nodes
+        tree = TreeSteps(S, dev)
 
         def step(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
-            nonlocal anc
-            n_prev, k = anc.shape[0], tokens.shape[0]
-            par = parents.tolist()
             all_hid = torch.cat(hid, 0) if hid else None
-            feats = torch.stack([self.last[0] if p < 0 else all_hid[p] for p in par])
-            levels = [1 if p < 0 else lvl[p] + 1 for p in par]
-            anc = grow_ancestors(anc, parents)
-            new = anc[n_prev:]
-            mask = torch.cat([torch.ones((k, S), dtype=torch.bool, device=dev), new], 1)
+            feats = torch.stack([self.last[0] if p < 0 else all_hid[p] for p in parents.tolist()])
+            n_prev, levels, mask, _ = tree.add(parents)
             pos = torch.tensor([[S - 1 + lv + self.pos_offset for lv in levels]], device=dev)
             out = self.head(self._embed(tokens.tolist())[None], feats[None], pos, mask[None, None], self.kv,
                             S + n_prev,  # scratch slots after the context; overwritten by the next cycle
                             step=torch.tensor([levels], device=dev))  # a level-j node's feature is a j-th guess
             hid.append(out[0])
-            lvl.extend(levels)
             self.passes += 1
             return torch.log_softmax(self.target.lm_head(out[0]).float(), -1).cpu()
 
