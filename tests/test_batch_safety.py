@@ -543,3 +543,34 @@ def test_video_pixel_budget_refuses_an_fps_sampling_past_it(tmp_path):
     with pytest.raises(MediaError) as e:
         load_video(clip, fps=12, limits=MediaLimits(max_video_pixels=5 * w * h))
     assert e.value.kind == "too_large" and "--fps" in str(e.value)
+
+
+def test_redecode_changed_takes_out_the_changed_files_rows_only_whatever_the_limit(tmp_path):
+    """The rows of a changed input file are taken out to be decoded again, rows gone from the input are dropped,
+    and rows of unchanged files stay, also those past a --limit (the pipeline's own step, without Ray)."""
+    import time as _time
+
+    from mmspec_ray.batch.pipeline import _drop_changed
+    from mmspec_ray.batch.storage import input_fingerprints, parquet_files
+
+    src = tmp_path / "in"
+    src.mkdir()
+    pq.write_table(pa.table({"id": ["a1", "a2"]}), src / "a.parquet")
+    pq.write_table(pa.table({"id": ["b1", "b2", "b3"]}), src / "b.parquet")
+    out = tmp_path / "out"
+    files = parquet_files(loc(src))
+    record = claim(loc(out), GREEDY, "in", input_fingerprints(loc(src), files)).record
+    record = record_run(loc(out), record, "r1")
+    part(out / "mmspec-part-r1_x_000000.parquet", ["a1", "a2", "b1", "b2", "b3"])
+    _time.sleep(0.01)
+    pq.write_table(pa.table({"id": ["b1", "b2"]}), src / "b.parquet")  # b3 leaves the input, b1 b2 change
+    prints = input_fingerprints(loc(src), files)
+    with pytest.raises(JobInputError, match=r"the input changed since output .*b\.parquet: .*--redecode-changed"):
+        claim(loc(out), GREEDY, "in", prints)
+    claimed = claim(loc(out), GREEDY, "in", prints, redecode_changed=True)
+    assert claimed.changed_files == ["b.parquet"]
+    state, _ = scan(loc(out), claimed.record)
+    per_file = pa.chunked_array([pq.read_table(f).column("id").combine_chunks() for f in files])
+    assert _drop_changed(loc(out), state, claimed, per_file, files, loc(src)) == 3
+    state, _ = scan(loc(out), claimed.record)
+    assert sorted(state.ids.to_pylist()) == ["a1", "a2"]  # a2 kept though a --limit 1 run would not decode it

@@ -269,3 +269,28 @@ def test_the_relay_answers_503_with_retry_after_when_the_replica_dies_or_the_que
     assert '"code":"unavailable"' in cut.text and "stopped mid-stream" in cut.text and replica.cancelled
     big = _call(_Replica(ok), body=b"x" * 2048, limit=1024)
     assert big.status_code == 413 and big.json()["error"]["code"] == "too_large"
+
+
+def test_the_relay_answers_a_replica_failure_in_the_api_format_and_keeps_the_back_pressure_status():
+    """Any other failure of the replica is a 500 with the API's error body (before the answer) or an error event
+    (mid-stream); a back-pressure status other than 503 (backpressure_config.status_code) is kept."""
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from ray.serve.exceptions import BackPressureError
+
+    async def ok(request):
+        return JSONResponse({"ok": True})
+
+    r = _call(_Replica(ok, fail=RuntimeError("boom")))
+    assert r.status_code == 500 and r.json()["error"]["message"] == "internal error: RuntimeError"
+    busy = BackPressureError(num_queued_requests=4, max_queued_requests=4, status_code=429, retry_after_s=2)
+    r = _call(_Replica(ok, fail=busy))
+    assert r.status_code == 429 and "retry-after" in r.headers
+
+    async def stream(request):
+        async def events():
+            for i in range(5):
+                yield f"data: {i}\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    cut = _call(_Replica(stream, fail=RuntimeError("boom"), after=2))
+    assert cut.text.startswith("data: 0\n\n") and "internal error: RuntimeError" in cut.text

@@ -60,7 +60,11 @@ def serve_replica_on_loopback() -> None:
         return
     from ray.serve._private import replica
 
-    bind = replica.add_port_to_grpc_server
+    bind = getattr(replica, "add_port_to_grpc_server", None)
+    if bind is None:  # another Ray Serve: say so rather than fail the replica
+        log.warning("Ray Serve has no replica.add_port_to_grpc_server here: its inter-deployment gRPC server keeps "
+                    "Serve's own bind address")
+        return
     if getattr(bind, "loopback", False):
         return
 

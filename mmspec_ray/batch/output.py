@@ -164,7 +164,9 @@ def claim(loc: Location, settings: dict[str, Any], input_uri: str,
 def record_run(loc: Location, record: dict[str, Any], run: str,
                fingerprints: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Add this run's token (before it writes any part) and the input's current fingerprints to the marker."""
-    record = {**record, "runs": [*record.get("runs", []), run], "input_files": fingerprints}
+    record = {**record, "runs": [*record.get("runs", []), run]}
+    if fingerprints is not None:
+        record["input_files"] = fingerprints
     write_json(loc.child(MARKER_NAME), record)
     return record
 
@@ -277,6 +279,11 @@ def drop_rows(loc: Location, state: OutputState, ids: pa.Array) -> int:
         loc.fs.delete_file(path)
         dropped += n
     return dropped
+
+
+def read_marker(loc: Location) -> dict[str, Any]:
+    """The job marker of output directory `loc` (what `scan` needs to tell the job's parts)."""
+    return _read_json(loc.child(MARKER_NAME))
 
 
 def _read_json(loc: Location) -> dict:

@@ -88,7 +88,7 @@ def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = Sp
     claimed = claim(out, cfg.text_settings(), spec.input, prints, overwrite=spec.overwrite,
                     redecode_changed=spec.redecode_changed)
     state, done = scan_output(out, claimed.record, ["error_kind"])
-    redone = _drop_changed(out, state, claimed, per_file, ids, files, in_loc)
+    redone = _drop_changed(out, state, claimed, per_file, files, in_loc)
     run = new_run_token()
     record = record_run(out, claimed.record, run, prints)  # before any part of this run is written
     if redone:
@@ -129,13 +129,14 @@ def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = Sp
     return summary
 
 
-def _drop_changed(out: Location, state: OutputState, claimed: Claim, per_file: pa.ChunkedArray, ids: pa.Array,
+def _drop_changed(out: Location, state: OutputState, claimed: Claim, per_file: pa.ChunkedArray,
                   files: list[str] | None, in_loc: Location) -> int:
     """With --redecode-changed on an input that changed since the output was made: take out the rows of the new or
     changed input files (decoded again by this run) and the rows no longer in the input at all."""
     if not claimed.changed_files:
         return 0
     changed = set(claimed.changed_files)
+    ids = per_file.combine_chunks()  # every input id, --limit or not: a row past the limit is not gone
     if files is None:  # an input read whole (a Kinetics CSV): every row
         redo = ids
     else:

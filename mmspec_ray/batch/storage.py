@@ -224,12 +224,19 @@ def check_ids(ids: pa.ChunkedArray | pa.Array, where: str, files: list[str] | No
 
 
 def write_json(loc: Location, obj: dict) -> None:
+    """Write a JSON file whole: on a local disk through a temporary name and a rename (a crash never leaves half a
+    marker or summary), on S3 in one PUT."""
     data = json.dumps(obj, indent=2, sort_keys=False, default=str).encode()
-    parent = loc.path.rsplit("/", 1)[0]
-    if not loc.is_s3:
-        loc.fs.create_dir(parent, recursive=True)
-    with loc.fs.open_output_stream(loc.path) as f:
+    parent, name = loc.path.rsplit("/", 1)
+    if loc.is_s3:
+        with loc.fs.open_output_stream(loc.path) as f:
+            f.write(data)
+        return
+    loc.fs.create_dir(parent, recursive=True)
+    tmp = f"{parent}/.{name}.partial"
+    with loc.fs.open_output_stream(tmp) as f:
         f.write(data)
+    loc.fs.move(tmp, loc.path)
 
 
 def read_json(loc: Location) -> dict:

@@ -80,13 +80,15 @@ def run_direct(cfg: DecodeConfig, table: pa.Table) -> dict[str, Any]:
 
 def run_pipeline(cfg: DecodeConfig, table: pa.Table, out_dir: str, rows_per_block: int) -> dict[str, Any]:
     from mmspec_ray.batch.pipeline import run_job
+    from mmspec_ray.batch.output import read_marker
     from mmspec_ray.batch.output import scan as scan_output
     from mmspec_ray.batch.storage import locate
 
     spec = JobSpec(input="(bench rows)", output=out_dir, decode=cfg, num_actors=1, overwrite=True,
                    progress_bars=False, progress_interval_s=60, rows_per_block=rows_per_block)
     s = run_job(spec, table=table)
-    _, written = scan_output(locate(out_dir, cfg.s3), ["output_token_ids"])
+    out = locate(out_dir, cfg.s3)
+    _, written = scan_output(out, read_marker(out), ["output_token_ids"])
     r = s["run"]
     return {"rows": r["rows"], "output_tokens": r["output_tokens"], "wall_s": r["wall_seconds"],
             "generate_s": r["decode_seconds"],

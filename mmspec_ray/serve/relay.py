@@ -27,10 +27,16 @@ SCOPE_KEYS = ("type", "http_version", "method", "scheme", "path", "raw_path", "r
 GONE = (RayActorError, ActorUnavailableError, DeploymentUnavailableError)
 
 
-def unavailable(retry_after_s: float, message: str) -> Response:
-    """503 in the API's error format, with Retry-After (whole seconds, at least 1)."""
-    return APIError(503, message, code="unavailable",
+def unavailable(retry_after_s: float, message: str, status: int = 503) -> Response:
+    """503 (or the back-pressure's own status) in the API's error format, with Retry-After (whole seconds, >= 1)."""
+    return APIError(status, message, code="unavailable",
                     headers={"Retry-After": str(max(1, round(retry_after_s)))}).response()
+
+
+def internal_error(e: BaseException) -> APIError:
+    """A failure of the replica's own (logged there): a 500 in the API's format, never the proxy's plain text."""
+    log.warning("the replica failed a request: %s: %s", type(e).__name__, e)
+    return APIError(500, f"internal error: {type(getattr(e, 'cause', None) or e).__name__}")
 
 
 async def read_body(request: HTTPRequest, limit: int) -> bytes:
@@ -62,14 +68,21 @@ async def relay(handle: Any, request: HTTPRequest, retry_after_s: float, max_bod
     try:
         start = await gen.__anext__()
     except BackPressureError as e:
-        counted(503)
+        status = int(getattr(e, "status_code", None) or 503)
+        counted(status)
         return unavailable(e.retry_after_s or retry_after_s, "the server is at capacity (every decoder busy and "
-                           "its queue full); retry after the time in Retry-After")
+                           "its queue full); retry after the time in Retry-After", status)
     except GONE as e:
         log.warning("the replica decoding a request stopped before answering: %s: %s", type(e).__name__, e)
         counted(503)
         return unavailable(retry_after_s, "the replica decoding this request stopped before answering (it is being "
                            "replaced); retry after the time in Retry-After")
+    except StopAsyncIteration:
+        counted(500)
+        return APIError(500, "internal error: the replica sent no response").response()
+    except Exception as e:  # noqa: BLE001  (the replica's own failure: still the API's error format)
+        counted(500)
+        return internal_error(e).response()
     sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in start["headers"])
 
     async def rest() -> AsyncIterator[bytes]:
@@ -89,6 +102,10 @@ async def relay(handle: Any, request: HTTPRequest, retry_after_s: float, max_bod
             if sse:
                 yield sse_event(APIError(503, "the replica decoding this request stopped mid-stream; retry the "
                                          "request", code="unavailable").body()).encode()
+        except Exception as e:  # noqa: BLE001  (a failure mid-body: end with an error event where the client reads one)
+            counted(500)
+            if sse:
+                yield sse_event(internal_error(e).body()).encode()
         finally:
             if not finished:  # the client went away, or the replica did: stop the replica's work
                 gen.cancel()

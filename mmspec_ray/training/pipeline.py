@@ -206,7 +206,7 @@ def train_plan(job: TrainJob, layout: "CheckpointLayout", rows: int, mix: "DataM
     return {
         "target": job.target, "family": layout.model_type, "parameters": layout.parameters,
         "data": job.data, "rows": rows, "train_rows": rows - job.heldout, "heldout_rows": job.heldout,
-        "mix": {"video": mix.video, "image": mix.image, "text": mix.text},
+        "mix": {"rows": mix.rows, "video": mix.video, "image": mix.image, "text": mix.text},  # of the whole input
         "method": m.name, "method_why": job.method_why,
         "datagen": {"actors": job.datagen_actors, "gpus_per_actor": job.gpus_per_actor, "dtype": dtype,
                     "answers": "greedy" if temp == 0 else f"sampled at T = {temp:g}",
@@ -272,6 +272,10 @@ def prepare_head_init(job: TrainJob) -> HeadInit:
     features = ShardStore(job.work_dir.rstrip("/") + "/features", s3)
     selection = {n: m.shard_selection(target, features.load_shard(n)) for n in features.manifest()["shards"]}
     kept = sum(len(v["keep"]) for v in selection.values())
+    if not sum(v["multimodal"] for v in selection.values()):
+        raise ValueError(f"{m.name} data selection keeps no multimodal example of the {features.manifest()['examples']} "
+                         "generated (e.g. every answer too short for its filter); raise --max-new-tokens or use "
+                         "another method")
     log.info("%s data selection keeps %d of %d examples (%d marked for the later stage to leave out)", m.name, kept,
              features.manifest()["examples"], sum(len(v["marked"]) for v in selection.values()))
     store = ShardStore(job.work_dir.rstrip("/") + "/init", s3)

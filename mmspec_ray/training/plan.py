@@ -13,7 +13,7 @@ from mmspec_ray.batch.plan import params_text
 def format_train_plan(plan: dict[str, Any]) -> str:
     """The plan as a few lines for the terminal."""
     mix, dg, tr = plan["mix"], plan["datagen"], plan["trainer"]
-    n = max(1, plan["rows"])
+    n = max(1, mix.get("rows", plan["rows"]))  # the mix is of the whole input, --limit or not
     where = "1 GPU each" if dg["gpus_per_actor"] else "CPU"
     if tr["kind"] == "ray-train":
         trainer = (f"Ray Train, {tr['workers']} workers ({'1 GPU' if tr['gpu'] else 'CPU'}, "
@@ -25,7 +25,7 @@ def format_train_plan(plan: dict[str, Any]) -> str:
         "plan:",
         f"  target   {plan['target']} ({plan['family']}, {params_text(plan['parameters'])} parameters)",
         f"  data     {plan['rows']} rows from {plan['data']} ({plan['train_rows']} to train on, "
-        f"{plan['heldout_rows']} held out for the drafter's τ): {mix['video'] / n:.0%} video, "
+        f"{plan['heldout_rows']} held out for the drafter's τ); the input is {mix['video'] / n:.0%} video, "
         f"{mix['image'] / n:.0%} image, {mix['text'] / n:.0%} text-only",
         f"  method   {plan['method']}: {plan['method_why']}",
         f"  answers  the target answers every training row on {dg['actors']} actor(s), {where}, {dg['dtype']}; "
