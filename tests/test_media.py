@@ -419,7 +419,8 @@ def test_image_missing_path_and_directory(tmp_path):
     err = media_error(load_image, str(missing), kinds="not_found")
     assert err.source == str(missing)
     media_error(load_image, f"file://{missing}", kinds="not_found")
-    media_error(load_image, str(tmp_path), kinds="io")
+    err = media_error(load_image, str(tmp_path), kinds="not_found")  # a folder names no media file
+    assert "is a folder" in str(err)
 
 
 def test_read_bytes(tmp_path):
