@@ -151,6 +151,12 @@ def test_drop_rows_rewrites_parts_and_a_crash_between_leaves_the_newer(tmp_path)
     part(out / "mmspec-part-a_000000.fix2.parquet", ["r1"])
     state, _ = scan(loc(out), record)
     assert sorted(state.ids.to_pylist()) == ["r1", "r5"] and not (out / "mmspec-part-a_000000.fix1.parquet").exists()
+    # a crash in the middle of writing generation 3 (torn): generation 2 stays live, its rows are not lost
+    (out / "mmspec-part-a_000000.fix3.parquet").write_bytes((out / "mmspec-part-a_000000.fix2.parquet")
+                                                            .read_bytes()[:-12])
+    state, _ = scan(loc(out), record)
+    assert sorted(state.ids.to_pylist()) == ["r1", "r5"] and (out / "mmspec-part-a_000000.fix2.parquet").exists()
+    assert [p.rsplit("/", 1)[-1] for p in state.removed] == ["mmspec-part-a_000000.fix3.parquet"]
 
 
 def test_overlap_through_a_symlink_is_refused(tmp_path):

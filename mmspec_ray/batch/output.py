@@ -215,13 +215,6 @@ def scan(loc: Location, record: dict[str, Any], columns: list[str] | None = None
     if foreign:
         log.warning("output %s holds %d file(s) this job did not write (e.g. %s): ignored, left in place", loc.uri,
                     len(foreign), foreign[0])
-    live, removed = [], []
-    for gens in mine.values():
-        gens.sort()
-        live.append(gens[-1][1])
-        removed += [p for _, p in gens[:-1]]  # an older generation that a retry's rewrite left behind
-    for p in removed:
-        loc.fs.delete_file(p)
     cols = ["id"] + [c for c in (columns or []) if c != "id"]
 
     def read(path: str) -> pa.Table | None:
@@ -248,12 +241,29 @@ def scan(loc: Location, record: dict[str, Any], columns: list[str] | None = None
                 time.sleep(2.0 ** attempt)
         return None
 
-    live.sort()
+    def newest_readable(chain: list[str]) -> tuple[str | None, pa.Table | None]:
+        """A part's generations, newest first: the first that reads is live (a torn newer one was deleted by
+        `read`: its older generation still holds the rows, those a crashed rewrite meant to drop included, which
+        the same re-run drops again)."""
+        for path in chain:
+            t = read(path)
+            if t is not None:
+                return path, t
+        return None, None
+
+    chains = [[p for _, p in sorted(gens, reverse=True)] for _, gens in sorted(mine.items())]
     with ThreadPoolExecutor(max_workers=8) as pool:
-        tables = list(pool.map(read, live))
-    good = [f for f, t in zip(live, tables) if t is not None]
-    removed += [f for f, t in zip(live, tables) if t is None]
-    parts = [t for t in tables if t is not None]
+        found = list(pool.map(newest_readable, chains))
+    removed, good, parts = [], [], []
+    for chain, (path, t) in zip(chains, found):
+        at = chain.index(path) if path is not None else len(chain)
+        removed += chain[:at]  # torn newer generations (deleted by `read`)
+        for old in chain[at + 1:]:  # superseded by the live one: deleted only now that it reads
+            loc.fs.delete_file(old)
+            removed.append(old)
+        if path is not None:
+            good.append(path)
+            parts.append(t)
     table = pa.concat_tables(parts, promote_options="permissive") if parts else None
     ids = table.column("id").combine_chunks() if table is not None else pa.array([], type=pa.string())
     return OutputState(good, ids, removed, foreign), table
