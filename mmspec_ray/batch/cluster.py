@@ -60,7 +60,7 @@ def cluster_mode() -> None:
 
     if os.environ.get(SINGLE_MACHINE_ENV) == "0":
         del os.environ[SINGLE_MACHINE_ENV]
-        ray_constants.ENABLE_RAY_CLUSTER = True
+        ray_constants.ENABLE_RAY_CLUSTER = not ray_constants.IS_WINDOWS_OR_OSX  # Ray's own default
 
 
 def serve_replica_on_loopback() -> None:
