@@ -105,3 +105,19 @@ def test_the_plan_and_dry_run_load_no_model_and_write_nothing(ckpt, tmp_path, ca
     assert not out.exists() and not (tmp_path / "drafters" / "mine.work").exists()
     assert main(["train-drafter", "--target", "toy-s", "--dry-run"]) == 2
     assert "--dry-run plans a run on request rows: give --data" in capsys.readouterr().err
+
+
+def test_method_options_reach_the_method_and_unknown_ones_are_refused():
+    """`--method-option KEY=VALUE` (JSON values) builds the method with those options, on either trainer; an option
+    its class does not take is refused by name."""
+    from mmspec_ray.training.cli import method_options
+    from mmspec_ray.training.methods import training_method
+
+    opts = method_options(["min_answer_words=0", "name=x y"])
+    assert opts == {"min_answer_words": 0, "name": "x y"}
+    assert training_method("hivis", {"min_answer_words": 0}).min_answer_words == 0
+    assert training_method("vispec", {"mtp_steps": 2}).mtp_steps == 2
+    with pytest.raises(ValueError, match="method 'eagle2' does not take the options"):
+        training_method("eagle2", {"min_answer_words": 0})
+    with pytest.raises(ValueError, match="expected KEY=VALUE"):
+        method_options(["min_answer_words"])

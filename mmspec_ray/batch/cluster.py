@@ -27,8 +27,7 @@ def connect_ray(num_cpus: int | None = None, dashboard: bool = False) -> None:
     process is already connected."""
     if ray.is_initialized():
         return
-    if os.environ.get("RAY_ADDRESS"):
-        cluster_mode()  # a process that ran a local Ray before must not advertise loopback to a cluster
+    if os.environ.get("RAY_ADDRESS"):  # (a job on a loopback-only head inherits its single-machine mode: kept)
         ray.init()
         return
     start_local_ray(num_cpus=num_cpus, include_dashboard=dashboard)
@@ -51,16 +50,6 @@ def loopback_only() -> None:
 
     os.environ[SINGLE_MACHINE_ENV] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
-
-
-def cluster_mode() -> None:
-    """Undo `loopback_only` in this process (and for the processes it starts): Ray takes the machine's network
-    address as the node IP again, as a member of a multi-node cluster must."""
-    from ray._private import ray_constants
-
-    if os.environ.get(SINGLE_MACHINE_ENV) == "0":
-        del os.environ[SINGLE_MACHINE_ENV]
-        ray_constants.ENABLE_RAY_CLUSTER = not ray_constants.IS_WINDOWS_OR_OSX  # Ray's own default
 
 
 def serve_replica_on_loopback() -> None:

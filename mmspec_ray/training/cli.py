@@ -47,6 +47,9 @@ def add_data_args(p: argparse.ArgumentParser) -> None:
       "least as many shards as workers; long video answers of a 7B target are ~10 MB a row)")
     a("--device", default="auto", help="data generation device: auto (cuda with --use-gpu), cpu, cuda")
     a("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    a("--method-option", action="append", default=[], metavar="KEY=VALUE",
+      help="an option of the method's class, repeatable (hivis: min_answer_words=0; vispec: mtp_steps=2; "
+      "specflash: ratio=0.25); values are JSON (numbers, true/false) or text")
     a("--dry-run", action="store_true", help="print the plan (target, data mix, method and why, trainer) and exit: "
       "no model loaded, nothing written")
 
@@ -74,7 +77,8 @@ def job_from_args(a: argparse.Namespace, target: str) -> "TrainJob":
     if getattr(a, "direct", False):
         train["gradual"] = False
     decode = {"device": a.device if a.device != "auto" else ("cuda" if a.use_gpu else "auto"), "dtype": a.dtype}
-    return TrainJob(method=a.method, method_why=why, target=target, data=a.data, out=a.out, work=a.work, heldout=a.heldout,
+    return TrainJob(method=a.method, method_why=why, method_options=method_options(a.method_option), target=target,
+                    data=a.data, out=a.out, work=a.work, heldout=a.heldout,
                     limit=a.limit, train=train,
                     recipe={"max_new_tokens": a.max_new_tokens, "temperature": a.answer_temperature
                             if a.answer_temperature is not None else training_method(a.method).answer_temperature,
@@ -82,6 +86,20 @@ def job_from_args(a: argparse.Namespace, target: str) -> "TrainJob":
                     decode=decode, datagen_actors=a.datagen_actors, gpus_per_actor=1.0 if a.use_gpu else 0.0,
                     num_workers=a.num_workers, use_gpu=a.use_gpu, cpus_per_worker=a.cpus_per_worker,
                     max_failures=a.max_failures, rows_per_shard=a.rows_per_shard)
+
+
+def method_options(pairs: list[str]) -> dict:
+    """`--method-option KEY=VALUE` flags as a dict (values parsed as JSON where they are, else kept as text)."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--method-option {pair!r}: expected KEY=VALUE, e.g. min_answer_words=0")
+        try:
+            out[key.strip()] = json.loads(value)
+        except ValueError:
+            out[key.strip()] = value
+    return out
 
 
 def auto_method(a: argparse.Namespace) -> tuple[str, str]:

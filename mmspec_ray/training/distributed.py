@@ -66,6 +66,7 @@ class HeadInit(BaseModel):
     head_config: dict[str, Any]
     lm_head_path: str  # safetensors with "weight" [V, d]; local path visible to every worker or s3://
     selection_path: str | None = None  # JSON: shard name -> the method's `shard_selection` (methods that `select`)
+    method_options: dict[str, Any] = Field(default_factory=dict)  # the method's keyword options (`training_method`)
 
 
 def selected_manifest(manifest: dict[str, Any], selection: dict[str, dict[str, Any]] | None) -> dict[str, Any]:
@@ -206,7 +207,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     if config.get("torch_threads"):
         torch.set_num_threads(int(config["torch_threads"]))
     device = torch.device("cuda", torch.cuda.current_device()) if config["use_gpu"] else torch.device("cpu")
-    m = training_method(init.method)
+    m = training_method(init.method, init.method_options)
     store = ShardStore(config["data"], s3)
     selection = read_selection(init.selection_path, s3)
     manifest = selected_manifest(store.manifest(), selection)

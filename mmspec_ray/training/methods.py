@@ -459,7 +459,12 @@ METHODS[DreamMethod.name] = DreamMethod
 METHODS[ViSpecMethod.name] = ViSpecMethod
 
 
-def training_method(name: str) -> TrainingMethod:
+def training_method(name: str, options: dict[str, Any] | None = None) -> TrainingMethod:
+    """The method `name`, built with its `options` (keyword arguments of its class, e.g. HiViS's
+    min_answer_words, ViSpec's mtp_steps); an option the method does not take is refused by name."""
     if name not in METHODS:
         raise ValueError(f"no training for drafter method {name!r}; trainable methods: {sorted(METHODS)}")
-    return METHODS[name]()
+    try:
+        return METHODS[name](**(options or {}))
+    except TypeError as e:
+        raise ValueError(f"method {name!r} does not take the options {sorted(options or {})}: {e}") from e

@@ -49,6 +49,8 @@ class TrainJob(BaseModel):
 
     method: str = "eagle2"
     method_why: str = Field("given", description="why this method (the plan says it): given, or --method auto's why")
+    method_options: dict[str, Any] = Field(default_factory=dict, description="keyword options of the method's class "
+                                           "(e.g. hivis: min_answer_words; vispec: mtp_steps), for every trainer")
     target: str = Field(..., description="checkpoint directory or s3:// prefix")
     data: str = Field(..., description="parquet file or directory of request rows, local or s3://")
     out: str = Field(..., description="drafter checkpoint directory or s3:// prefix")
@@ -144,7 +146,7 @@ def run_train_job(job: TrainJob, dry_run: bool = False) -> dict[str, Any]:
     from mmspec_ray.training.plan import format_train_plan
 
     job = absolute_paths(job)
-    m = training_method(job.method)
+    m = training_method(job.method, job.method_options)
     cfg = job.decode_config()
     held = heldout_ids(job, cfg)
     check_plan_early(m, job)
@@ -197,7 +199,7 @@ def run_train_job(job: TrainJob, dry_run: bool = False) -> dict[str, Any]:
 
 def train_plan(job: TrainJob, layout: "CheckpointLayout", rows: int, mix: "DataMix") -> dict[str, Any]:
     """The plan as a dict (also the summary's `plan`); `rows`: input rows after --limit; `mix`: their kinds."""
-    m = training_method(job.method)
+    m = training_method(job.method, job.method_options)
     stages = stage_schedule(m, job.train)
     dtype = job.decode.get("dtype", "auto")
     if dtype == "auto":
@@ -244,7 +246,7 @@ def train_single_process(job: TrainJob, features: str, held: list[str]) -> list[
     from mmspec_ray.toy.build import mmspec_home
     from mmspec_ray.training.datagen import load_features
 
-    m = training_method(job.method)
+    m = training_method(job.method, job.method_options)
     target = load_job_target(job)
     examples = load_features(features)
     mm = [e for e in examples if e.multimodal]
@@ -263,10 +265,11 @@ def train_single_process(job: TrainJob, features: str, held: list[str]) -> list[
 def prepare_head_init(job: TrainJob) -> HeadInit:
     """What Ray Train workers start from (they never load the target): the head init, and for a method that selects
     its data with the target, its choice per feature shard."""
-    m = training_method(job.method)
+    m = training_method(job.method, job.method_options)
     target = load_job_target(job)
     s3 = job.decode_config().s3
-    init = write_head_init(m, target, job.work_dir.rstrip("/") + "/init", s3)
+    init = write_head_init(m, target, job.work_dir.rstrip("/") + "/init", s3).model_copy(
+        update={"method_options": job.method_options})
     if not m.selects:
         return init
     features = ShardStore(job.work_dir.rstrip("/") + "/features", s3)
@@ -369,7 +372,8 @@ def run_name(job: TrainJob) -> str:
     import hashlib
 
     settings = job.train.model_dump(mode="json", exclude_defaults=True)  # a new setting's default renames nothing
-    key = json.dumps([job.method, job.out, settings], sort_keys=True)
+    key = json.dumps([job.method, job.out, settings] + ([job.method_options] if job.method_options else []),
+                     sort_keys=True)
     return f"{job.method}-drafter-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
 
 
