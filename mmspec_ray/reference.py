@@ -28,7 +28,9 @@ def _cell(text: Any) -> str:
 
 
 def _default(action: argparse.Action) -> str:
-    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+    if isinstance(action, argparse._StoreTrueAction):  # a flag that turns a setting on: off unless given
+        return "on" if action.default is True else "off"
+    if isinstance(action, argparse._StoreFalseAction):  # a flag that turns a setting off: on unless given
         return "off" if action.default is False else "on"
     if action.default is None or action.default == argparse.SUPPRESS:
         return ""

@@ -223,10 +223,9 @@ def check_ids(ids: pa.ChunkedArray | pa.Array, where: str, files: list[str] | No
         raise JobInputError(msg + "; ids must be unique")
 
 
-def write_json(loc: Location, obj: dict) -> None:
-    """Write a JSON file whole: on a local disk through a temporary name and a rename (a crash never leaves half a
-    marker or summary), on S3 in one PUT."""
-    data = json.dumps(obj, indent=2, sort_keys=False, default=str).encode()
+def write_whole(loc: Location, data: bytes) -> None:
+    """Write a file whole, so no reader and no crash ever leaves half of it: on a local disk through a temporary
+    name and a rename, on S3 in one PUT (S3 never shows a partial object)."""
     parent, name = loc.path.rsplit("/", 1)
     if loc.is_s3:
         with loc.fs.open_output_stream(loc.path) as f:
@@ -237,6 +236,11 @@ def write_json(loc: Location, obj: dict) -> None:
     with loc.fs.open_output_stream(tmp) as f:
         f.write(data)
     loc.fs.move(tmp, loc.path)
+
+
+def write_json(loc: Location, obj: dict) -> None:
+    """A JSON file (the job marker, the summary), written whole."""
+    write_whole(loc, json.dumps(obj, indent=2, sort_keys=False, default=str).encode())
 
 
 def read_json(loc: Location) -> dict:

@@ -178,18 +178,20 @@ def local_batches(load: Callable[[str], list[FeatureExample]], manifest: dict[st
                     yield pool, chunk[b0:b0 + local_bs]
 
 
-def read_selection(path: str | None, s3: S3Config) -> dict[str, dict[str, Any]] | None:
-    if path is None:
-        return None
+def read_file(path: str, s3: S3Config) -> bytes:
+    """A file the driver wrote for the workers (local path visible to every worker, or s3://)."""
     parent, name = path.rsplit("/", 1)
-    return json.loads(ShardStore(parent, s3).read(name))
+    return ShardStore(parent, s3).read(name)
+
+
+def read_selection(path: str | None, s3: S3Config) -> dict[str, dict[str, Any]] | None:
+    return None if path is None else json.loads(read_file(path, s3))
 
 
 def _load_lm_head(path: str, s3: S3Config, device: torch.device) -> torch.Tensor:
     from safetensors.torch import load
 
-    parent, name = path.rsplit("/", 1)
-    return load(ShardStore(parent, s3).read(name))["weight"].float().to(device)
+    return load(read_file(path, s3))["weight"].float().to(device)
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:

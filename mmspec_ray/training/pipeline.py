@@ -273,14 +273,15 @@ def prepare_head_init(job: TrainJob) -> HeadInit:
     if not m.selects:
         return init
     features = ShardStore(job.work_dir.rstrip("/") + "/features", s3)
-    selection = {n: m.shard_selection(target, features.load_shard(n)) for n in features.manifest()["shards"]}
-    kept = sum(len(v["keep"]) for v in selection.values())
+    manifest = features.manifest()
+    selection = {n: m.shard_selection(target, features.load_shard(n)) for n in manifest["shards"]}
     if not sum(v["multimodal"] for v in selection.values()):
-        raise ValueError(f"{m.name} data selection keeps no multimodal example of the {features.manifest()['examples']} "
+        raise ValueError(f"{m.name} data selection keeps no multimodal example of the {manifest['examples']} "
                          "generated (e.g. every answer too short for its filter); raise --max-new-tokens or use "
                          "another method")
-    log.info("%s data selection keeps %d of %d examples (%d marked for the later stage to leave out)", m.name, kept,
-             features.manifest()["examples"], sum(len(v["marked"]) for v in selection.values()))
+    log.info("%s data selection keeps %d of %d examples (%d marked for the later stage to leave out)", m.name,
+             sum(len(v["keep"]) for v in selection.values()), manifest["examples"],
+             sum(len(v["marked"]) for v in selection.values()))
     store = ShardStore(job.work_dir.rstrip("/") + "/init", s3)
     store.write(SELECTION_FILE, json.dumps(selection).encode())
     return init.model_copy(update={"selection_path": f"{store.loc.uri.rstrip('/')}/{SELECTION_FILE}"})

@@ -19,7 +19,7 @@ from pyarrow import fs as pafs
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from mmspec_ray.batch.storage import Location, locate
+from mmspec_ray.batch.storage import Location, locate, write_whole
 from mmspec_ray.config import S3Config
 
 MANIFEST = "manifest.json"
@@ -110,18 +110,8 @@ class ShardStore:
         return f"{self.loc.path.rstrip('/')}/{name}"
 
     def write(self, name: str, data: bytes) -> None:
-        """Write a file whole: local files through a temporary name and a rename, S3 objects in one PUT, so a
-        reader never sees half a shard."""
-        fs = self.loc.fs
-        if isinstance(fs, pafs.LocalFileSystem):
-            fs.create_dir(self.loc.path, recursive=True)
-            tmp = self._path(f".{name}.partial")
-            with fs.open_output_stream(tmp) as f:
-                f.write(data)
-            fs.move(tmp, self._path(name))
-        else:
-            with fs.open_output_stream(self._path(name)) as f:
-                f.write(data)
+        """Write a file whole (`write_whole`), so a reader never sees half a shard."""
+        write_whole(self.loc.child(name), data)
 
     def read(self, name: str) -> bytes:
         with self.loc.fs.open_input_stream(self._path(name)) as f:
