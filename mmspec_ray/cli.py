@@ -210,6 +210,37 @@ def bench_config(a: argparse.Namespace):
                    temperatures=tuple(a.temperatures), seed=a.seed, tree=tree, peers=not a.no_peers)
 
 
+def cmd_drafter_inspect(a: argparse.Namespace) -> int:
+    """Print what a drafter directory is and, with --target, whether it fits that target (the refusal, if not)."""
+    from mmspec_ray.drafters.released import recognise
+
+    path = a.path
+    if path.startswith("s3://"):
+        from mmspec_ray.drafters.base import check_drafter_files
+        from mmspec_ray.targets.registry import fetch_checkpoint
+
+        path = str(fetch_checkpoint(path, check=check_drafter_files, refresh=True))
+    info = recognise(path)
+    for k, v in info.describe().items():
+        print(f"{k}: {v}")
+    if a.target:
+        from mmspec_ray.drafters.base import load_drafter
+
+        from mmspec_ray.targets import load_target
+        from mmspec_ray.targets.registry import fetch_checkpoint
+        from mmspec_ray.toy.resolve import resolve_target
+
+        target = load_target(fetch_checkpoint(resolve_target(a.target)))
+        try:
+            load_drafter(path, target)
+        except ValueError as e:
+            print(f"fits {a.target}: no: {e}")
+            return 1
+        print(f"fits {a.target}: yes (hidden size {target.hidden_size}, vocabulary {target.vocab_size}, "
+              f"{getattr(target.text_config, 'num_hidden_layers', '?')} decoder layers)")
+    return 0
+
+
 def bench_drafters(spec: str) -> dict[str, str]:
     """`--drafter eagle2,msd,msd-1stage=/path/to/ckpt` -> {label: method name or checkpoint dir}, in order."""
     out: dict[str, str] = {}
@@ -360,6 +391,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_data_args(td)
     td.set_defaults(fn=cmd_train_drafter)
+
+    dr = sub.add_parser("drafter", help="drafter checkpoints: inspect one")
+    drs = dr.add_subparsers(dest="drafter_cmd", required=True)
+    di = drs.add_parser("inspect", help="the layout, method and target dimensions of a drafter directory (this "
+                        "project's, or a released EAGLE-1/2/3 or SpecForge head), and whether it fits --target")
+    di.add_argument("path", help="drafter directory, or s3://bucket/prefix")
+    di.add_argument("--target", default=None, help="also check it against this target (checkpoint dir, s3:// or toy-s "
+                    "/ toy-m): loads the target")
+    di.set_defaults(fn=cmd_drafter_inspect)
 
     be = sub.add_parser("bench", help="AR vs drafters vs HF peers on workloads of a target, one interleaved run "
                         "(JSON + markdown + plots)")

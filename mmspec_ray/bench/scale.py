@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import torch
 
 from mmspec_ray.config import SamplingParams
+from mmspec_ray.drafters.base import target_features
 from mmspec_ray.drafters.eagle import Eagle2Drafter
 from mmspec_ray.decoding.accept import accept
 from mmspec_ray.decoding.sampling import make_generator
@@ -105,7 +106,7 @@ class CycleBench:
         copy_commit(t, path) if self.old_commit else t.commit(path)
         t5 = time.perf_counter()
         self.root = int(v.logits[0, path[-1]].argmax())
-        d.observe(tree.tokens[path].tolist(), v.hidden[0, path], self.root)
+        d.observe(tree.tokens[path].tolist(), target_features(d, v)[0, path], self.root)
         t6 = time.perf_counter()
         return dict(zip(STAGES, (1e3 * x for x in (t1 - t0 + t6 - t5, t2 - t1, t3 - t2, t4 - t3, t5 - t4))))
 

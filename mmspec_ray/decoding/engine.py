@@ -10,7 +10,7 @@ from collections.abc import Generator
 import torch
 
 from mmspec_ray.config import SamplingParams
-from mmspec_ray.drafters.base import Drafter
+from mmspec_ray.drafters.base import Drafter, target_features
 from mmspec_ray.drafters.none import NoDrafter
 from mmspec_ray.decoding.accept import accept
 from mmspec_ray.decoding.calibrate import TreeCalibrator
@@ -140,7 +140,7 @@ class SpecEngine:
             to = time.perf_counter()
             if keep and (self.tree.total_tokens > 1 or self.calibrator is not None):  # a drafter never asked
                 # again (the final pick is the 1-token tree) needs no news; a calibrating one may probe again
-                d.observe(tree.tokens[keep].tolist(), v.hidden[0, keep], nxt)
+                d.observe(tree.tokens[keep].tolist(), target_features(d, v)[0, keep], nxt)
             observe_s = time.perf_counter() - to
             stats.draft_s += observe_s
             root = nxt

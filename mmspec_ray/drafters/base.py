@@ -12,6 +12,9 @@ Optional attribute `prefill_attention: bool` (default False): the drafter reads 
 received per prompt position (`TargetOutput.attention_received`, DREAM's visual token compression); the engine asks
 the target's prefill for it.
 
+Optional method `features(out: TargetOutput) -> Tensor [1, n, D]` (default: `out.hidden`): the target features the
+drafter reads; the engine hands `observe` these rows of each verify (EAGLE-3: three layers' states, concatenated).
+
 Optional attribute `prefill_tokens: int` (default 0), set by `begin`: how many entries the drafter's own prefill
 read (EAGLE-2: the whole prompt, media included; HiViS: its text only). The engine reports it per request.
 """
@@ -45,10 +48,17 @@ class Drafter(Protocol):
         """After verification: accepted path tokens (root first), target hidden [len(tokens), d], next root."""
 
 
+def target_features(drafter: object, out: "TargetOutput") -> torch.Tensor:
+    """[1, n, D] the features of a target forward that `drafter` observes (its `features`, else the last hidden)."""
+    fn = getattr(drafter, "features", None)
+    return out.hidden if fn is None else fn(out)
+
+
 # method name -> the module that defines (and registers) its drafter class: imported on first use, so this
 # protocol file never imports its implementations
 MODULES: dict[str, str] = {
     "eagle2": "mmspec_ray.drafters.eagle",
+    "eagle3": "mmspec_ray.drafters.eagle3",
     "hivis": "mmspec_ray.drafters.hivis",
     "msd": "mmspec_ray.drafters.msd",
     "specflash": "mmspec_ray.drafters.specflash",
@@ -95,10 +105,13 @@ def check_device(device: str | torch.device | None, target: "VLMTarget") -> None
 
 
 def check_drafter_files(path: "Path") -> None:
-    """A drafter checkpoint directory holds config.json and model.safetensors."""
+    """A drafter checkpoint directory holds config.json and its weights (model.safetensors; released EAGLE heads
+    may hold pytorch_model.bin)."""
     from mmspec_ray.targets.base import TargetError
 
-    missing = [f for f in ("config.json", "model.safetensors") if not (path / f).exists()]
+    missing = [f for f in ("config.json",) if not (path / f).exists()]
+    if not any((path / f).exists() for f in ("model.safetensors", "pytorch_model.bin")):
+        missing.append("model.safetensors (or a released head's pytorch_model.bin)")
     if missing:
         raise TargetError(f"drafter checkpoint {path} has no {' or '.join(missing)}; train one with "
                           "`mmspec train-drafter`")
@@ -108,8 +121,8 @@ def load_drafter(spec: str | None, target: "VLMTarget", device: str | None = Non
                  s3: "S3Config | None" = None) -> Drafter:
     """A ready drafter for `target` from a method name ("none", "ngram", "ngram:N" for a shortest match of N
     tokens) or a trained drafter checkpoint directory
-    or s3:// prefix (`config.json` naming its `method` + `model.safetensors`). None or "" means no drafter (plain
-    AR decoding).
+    or s3:// prefix (`config.json` naming its `method` + `model.safetensors`, or a released head in a layout
+    `drafters.released` recognises). None or "" means no drafter (plain AR decoding).
     `device`, when given, must be the target's (see `check_device`); `s3`: the endpoint of an s3:// drafter
     (default: from the environment)."""
     from pathlib import Path
@@ -133,6 +146,11 @@ def load_drafter(spec: str | None, target: "VLMTarget", device: str | None = Non
     import json
 
     method = json.loads((path / "config.json").read_text()).get("method")
+    if not method:  # a head as its authors published it (EAGLE-1/2/3, SpecForge): recognised by its files
+        from mmspec_ray.drafters.released import load_released, recognise
+
+        check_device(device, target)
+        return load_released(recognise(path), target)
     cls = drafter_class(method)
     if not hasattr(cls, "load"):
         raise ValueError(f"drafter method {method!r} in {path} cannot be loaded from a checkpoint")

@@ -35,6 +35,7 @@ class Eagle2Config(BaseModel):
     intermediate_size: int
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
+    qkv_bias: bool = False  # q/k/v with a bias (released heads of Qwen2 targets)
     target_model_type: str = ""
     target_vocab_size: int = 0
     target_id: str = ""  # the identity of the checkpoint it was trained for ("": unknown, a model built in memory)
@@ -60,7 +61,7 @@ class Eagle2Head(nn.Module):
         d = cfg.hidden_size
         self.fc = nn.Linear(2 * d, d, bias=True)
         self.layer = DecoderLayer(d, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.rope_theta,
-                                  cfg.rms_eps, input_norm=False)
+                                  cfg.rms_eps, input_norm=False, qkv_bias=cfg.qkv_bias)
 
     config_class: type[Eagle2Config] = Eagle2Config
 
@@ -156,13 +157,23 @@ class Eagle2Drafter:
     @torch.inference_mode()
     def begin(self, target: "VLMTarget", prefill: "TargetOutput", root: int) -> None:
         self.ctx_len, self.last = 0, None
-        embeds = prefill.inputs_embeds[0]
-        feats = prefill.hidden[0]
+        embeds = self.prompt_embeds(prefill)[0]
+        feats = self.features(prefill)[0]
         nxt = torch.cat([embeds[1:], self._embed([root])], 0)  # entry j: token j+1 with feature j
         media = prefill.media_mask
         visual = None if media is None else torch.cat([media[0, 1:], media.new_zeros(1)])  # token j+1 is media
         self._extend(nxt, feats, visual)
         self.prefill_tokens = self.ctx_len
+
+    def features(self, out: "TargetOutput") -> torch.Tensor:
+        """The target features this drafter reads from a forward's output, [1, n, D]: EAGLE-2's is the last
+        post-norm hidden state. The engine hands `observe` these rows of each verify."""
+        return out.hidden
+
+    def prompt_embeds(self, prefill: "TargetOutput") -> torch.Tensor:
+        """[1, n, d] the prompt's input embeddings as the drafter reads them: media positions carry the merged
+        media embeddings (the target's own input)."""
+        return prefill.inputs_embeds
 
     @torch.inference_mode()
     def observe(self, tokens: list[int], hidden: torch.Tensor, bonus: int) -> None:
@@ -174,7 +185,7 @@ class Eagle2Drafter:
         S = self.ctx_len
         dev = self.target.device
         self._reserve(S + cfg.top_k * cfg.depth)
-        root_logp = torch.log_softmax(self.target.lm_head(self.last).float(), -1)[0]
+        root_logp = self.logprobs(self.last)[0]
         hid: list[torch.Tensor] = []  # draft outputs of expanded nodes, one [k, d] per step
         tree = TreeSteps(S, dev)
 
@@ -188,9 +199,14 @@ class Eagle2Drafter:
                             step=torch.tensor([levels], device=dev))  # a level-j node's feature is a j-th guess
             hid.append(out[0])
             self.passes += 1
-            return torch.log_softmax(self.target.lm_head(out[0]).float(), -1).cpu()
+            return self.logprobs(out[0]).cpu()
 
         return grow_dynamic_tree(root, root_logp.cpu(), step, cfg)
+
+    def logprobs(self, out: torch.Tensor) -> torch.Tensor:
+        """Draft outputs [n, d] -> log-probabilities [n, V] over the target's vocabulary (float32): EAGLE-2 heads
+        read them through the target's own LM head."""
+        return torch.log_softmax(self.target.lm_head(out).float(), -1)
 
     # ---------- internals ----------
     def _embed(self, ids: list[int]) -> torch.Tensor:
@@ -207,7 +223,7 @@ class Eagle2Drafter:
             return kv
         cap = max(n, 2 * (kv[0].shape[2] if kv is not None else 256))
         cfg = self.head.cfg
-        shape = (1, cfg.num_kv_heads, cap, cfg.hidden_size // cfg.num_heads)
+        shape = (1, cfg.num_kv_heads, cap, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_heads)
         new = tuple(torch.empty(shape, dtype=self.target.dtype, device=self.target.device) for _ in range(2))
         if kv is not None and used:
             for dst, src in zip(new, kv):

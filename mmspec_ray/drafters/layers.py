@@ -32,18 +32,22 @@ def rotary(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU MLP. `input_norm=False` skips the attention input norm (EAGLE's first layer
-    takes the fc output directly)."""
+    takes the fc output directly). `in_dim` (default dim): the width q/k/v read (EAGLE-3: 2 x dim);
+    `head_dim` (default dim // heads); `qkv_bias`: q/k/v with a bias (Qwen2-style heads)."""
 
     def __init__(self, dim: int, heads: int, kv_heads: int, ffn: int, rope_theta: float = 10000.0,
-                 eps: float = 1e-6, input_norm: bool = False) -> None:
+                 eps: float = 1e-6, input_norm: bool = False, in_dim: int | None = None, head_dim: int | None = None,
+                 qkv_bias: bool = False) -> None:
         super().__init__()
-        if dim % heads or heads % kv_heads:
+        if heads % kv_heads or (head_dim is None and dim % heads):
             raise ValueError(f"dim {dim}, heads {heads}, kv_heads {kv_heads}: heads must divide dim and kv_heads heads")
-        self.heads, self.kv_heads, self.head_dim, self.theta = heads, kv_heads, dim // heads, rope_theta
+        self.heads, self.kv_heads, self.theta = heads, kv_heads, rope_theta
+        self.head_dim = head_dim or dim // heads
+        in_dim = in_dim or dim
         self.input_norm = RMSNorm(dim, eps) if input_norm else nn.Identity()
-        self.q_proj = nn.Linear(dim, heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.q_proj = nn.Linear(in_dim, heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(in_dim, kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(in_dim, kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(heads * self.head_dim, dim, bias=False)
         self.post_norm = RMSNorm(dim, eps)
         self.gate_proj = nn.Linear(dim, ffn, bias=False)
@@ -56,8 +60,12 @@ class DecoderLayer(nn.Module):
         Without `kv` the T positions attend among themselves (training). With `kv` (preallocated buffers
         [B, kv_heads, capacity, head_dim]) the new keys/values are written in place at [at, at+T) and the
         positions attend to buffer slots [0, at+T): no copy of the existing KV per call."""
-        B, T, _ = x.shape
-        h = self.input_norm(x)
+        return self.block(x, self.input_norm(x), pos, mask, kv, at)
+
+    def block(self, residual: torch.Tensor, h: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
+              kv: tuple[torch.Tensor, torch.Tensor] | None = None, at: int = 0) -> torch.Tensor:
+        """Attention over `h` (what q/k/v read, [B, T, in_dim]) added to `residual` [B, T, d], then the MLP."""
+        B, T, _ = h.shape
         q = self.q_proj(h).view(B, T, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(h).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(h).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -67,7 +75,7 @@ class DecoderLayer(nn.Module):
             kv[1][:, :, at:at + T] = v
             k, v = kv[0][:, :, :at + T], kv[1][:, :, :at + T]
         att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
-        x = x + self.o_proj(att.transpose(1, 2).reshape(B, T, -1))
+        x = residual + self.o_proj(att.transpose(1, 2).reshape(B, T, -1))
         h = self.post_norm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 

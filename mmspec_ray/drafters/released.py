@@ -1,0 +1,214 @@
+"""Drafter checkpoints as their authors publish them, loaded with no conversion step.
+
+A directory whose config.json names no `method` (this project's own drafters do) is recognised by its files, config
+fields and weight names, mapped onto the drafter of that method, and checked against the target: hidden size,
+vocabulary and feature layers, each refused by name. Recognised layouts:
+
+- `eagle3-safeailab`: EAGLE-3 heads as SafeAILab/EAGLE trains them (`midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`,
+  `t2d`; `pytorch_model.bin` or `model.safetensors`; no embeddings: the target's are used). Trained with RoPE base
+  10000 whatever the config says, so that base is used.
+- `eagle3-specforge`: the same keys, `architectures: ["LlamaForCausalLMEagle3"]`; `rope_theta` as the config says;
+  `eagle_config.eagle_aux_hidden_state_layer_ids` are layer *outputs* (hs[k + 1]) where given.
+- `eagle-safeailab`: EAGLE-1 / EAGLE-2 heads (`fc` 2d -> d, `layers.0.*` without an input norm, usually a copy of the
+  target's `embed_tokens`, which is checked and not used; no LM head: the target's is used).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from mmspec_ray.targets.base import VLMTarget
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+LAYOUTS = ("mmspec", "eagle3-safeailab", "eagle3-specforge", "eagle-safeailab")
+
+
+@dataclass
+class ReleasedDrafter:
+    """What a checkpoint directory holds, read from its config and weight names (weights loaded on demand)."""
+
+    path: Path
+    layout: str
+    method: str
+    config: dict[str, Any]
+    weights: str  # the weight file's name
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def describe(self) -> dict[str, Any]:
+        """The dimensions a target must have for this drafter."""
+        c = self.config
+        out: dict[str, Any] = {"layout": self.layout, "method": self.method, "weights": self.weights,
+                               "hidden_size": c.get("hidden_size"),
+                               "vocab_size": c.get("vocab_size", c.get("target_vocab_size"))}
+        if self.method == "eagle3":
+            out["draft_vocab_size"] = c.get("draft_vocab_size", out["vocab_size"])
+            out["feature_layers"] = aux_layers(self) or "default (2, L//2, L-3)"
+        return out
+
+
+def weight_file(path: Path) -> str | None:
+    return next((f for f in WEIGHT_FILES if (path / f).exists()), None)
+
+
+def read_state(path: Path, name: str) -> dict[str, torch.Tensor]:
+    """The whole state dict of a safetensors or torch .bin weight file (tensors only, never pickled code)."""
+    if name.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(str(path / name))
+    return torch.load(path / name, map_location="cpu", weights_only=True)
+
+
+def read_shapes(path: Path, name: str) -> dict[str, tuple[int, ...]]:
+    """Key -> shape, from a safetensors header alone where possible."""
+    if name.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        with safe_open(str(path / name), framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    return {k: tuple(v.shape) for k, v in read_state(path, name).items()}
+
+
+def recognise(path: str | Path) -> ReleasedDrafter:
+    """The layout of a drafter directory, or a ValueError naming what was found and the layouts known."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise ValueError(f"drafter {path} has no config.json; layouts known: {', '.join(LAYOUTS)}")
+    config = json.loads(cfg_file.read_text())
+    name = weight_file(path)
+    if name is None:
+        raise ValueError(f"drafter {path} has no weights ({' or '.join(WEIGHT_FILES)})")
+    if config.get("method"):
+        return ReleasedDrafter(path, "mmspec", config["method"], config, name)
+    shapes = read_shapes(path, name)
+    archs = config.get("architectures") or []
+    if "midlayer.self_attn.q_proj.weight" in shapes and "fc.weight" in shapes:
+        layout = "eagle3-specforge" if any("Eagle3" in a for a in archs) else "eagle3-safeailab"
+        return ReleasedDrafter(path, layout, "eagle3", config, name, shapes)
+    if "layers.0.self_attn.q_proj.weight" in shapes and "fc.weight" in shapes:
+        d = config.get("hidden_size")
+        if shapes["fc.weight"] == (d, 2 * d):
+            return ReleasedDrafter(path, "eagle-safeailab", "eagle2", config, name, shapes)
+    keys = sorted(shapes)[:8]
+    raise ValueError(f"drafter {path}: unknown checkpoint layout (architectures {archs}, weight names {keys} ...); "
+                     f"layouts known: {', '.join(LAYOUTS)}")
+
+
+def aux_layers(r: ReleasedDrafter) -> list[int]:
+    """The hs indices a released EAGLE-3 head reads, where its config names them ([] = the default rule).
+    SpecForge's `eagle_aux_hidden_state_layer_ids` are layer outputs: output of layer k = hs[k + 1]."""
+    ids = (r.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        return []
+    return [int(k) + 1 for k in ids] if r.layout == "eagle3-specforge" else [int(k) for k in ids]
+
+
+def check_target(r: ReleasedDrafter, target: "VLMTarget") -> None:
+    """Refuse, naming the mismatch, a released head built for another target."""
+    c = r.config
+    d, vocab = c.get("hidden_size"), c.get("vocab_size")
+    t_hidden = c.get("target_hidden_size", d)
+    problems = []
+    if d != target.hidden_size or t_hidden != target.hidden_size:
+        problems.append(f"hidden size {d} (target features {t_hidden}) vs the target's {target.hidden_size}")
+    if vocab is not None and vocab != target.vocab_size:
+        problems.append(f"vocabulary {vocab} vs the target's {target.vocab_size}")
+    emb = r.shapes.get("embed_tokens.weight")
+    if emb is not None and emb != (target.vocab_size, target.hidden_size):
+        problems.append(f"embed_tokens {list(emb)} vs the target's [{target.vocab_size}, {target.hidden_size}]")
+    if problems:
+        raise ValueError(f"drafter {r.path} ({r.layout}) was built for another target: " + "; ".join(problems))
+
+
+def _heads(c: dict[str, Any]) -> tuple[int, int]:
+    heads = int(c["num_attention_heads"])
+    return heads, int(c.get("num_key_value_heads") or heads)
+
+
+def eagle3_config(r: ReleasedDrafter, target: "VLMTarget"):
+    from mmspec_ray.drafters.eagle3 import Eagle3Config
+
+    c = r.config
+    heads, kv = _heads(c)
+    theta = float(c.get("rope_theta") or 10000.0) if r.layout == "eagle3-specforge" else 10000.0
+    return Eagle3Config(hidden_size=int(c["hidden_size"]), num_heads=heads, num_kv_heads=kv,
+                        intermediate_size=int(c["intermediate_size"]), rope_theta=theta,
+                        rms_eps=float(c.get("rms_norm_eps", 1e-6)), qkv_bias=bool(c.get("attention_bias", False)),
+                        target_model_type=str(c.get("target_model_type", "")),
+                        target_vocab_size=int(c.get("vocab_size", target.vocab_size)),
+                        draft_vocab_size=int(c.get("draft_vocab_size") or c.get("vocab_size", target.vocab_size)),
+                        feature_layers=aux_layers(r), head_dim=c.get("head_dim"), layout=r.layout,
+                        norm_before_residual=bool(c.get("norm_before_residual", False)))
+
+
+EAGLE3_KEYS = {  # released name -> Eagle3Head name
+    "fc.weight": "fc.weight", "norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight",
+    "midlayer.input_layernorm.weight": "embed_norm.weight", "midlayer.hidden_norm.weight": "hidden_norm.weight",
+    "midlayer.post_attention_layernorm.weight": "layer.post_norm.weight",
+}
+LAYER_KEYS = [f"self_attn.{p}_proj.{w}" for p in "qkvo" for w in ("weight", "bias")] + \
+    [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+
+
+def _layer_name(key: str) -> str:
+    """`self_attn.q_proj.weight` / `mlp.gate_proj.weight` -> our DecoderLayer's `q_proj.weight` / `gate_proj.weight`."""
+    return key.split(".", 1)[1]
+
+
+def load_released(r: ReleasedDrafter, target: "VLMTarget"):
+    """The drafter of `r`'s method with the released weights, checked against `target` first."""
+    check_target(r, target)
+    state = read_state(r.path, r.weights)
+    if r.method == "eagle3":
+        from mmspec_ray.drafters.eagle3 import Eagle3Drafter, Eagle3Head, check_layers
+
+        cfg = eagle3_config(r, target)
+        check_layers(cfg, target)
+        head = Eagle3Head(cfg)
+        mapped = {EAGLE3_KEYS[k]: v for k, v in state.items() if k in EAGLE3_KEYS}
+        mapped.update({f"layer.{_layer_name(k[len('midlayer.'):])}": state[k] for k in
+                       (f"midlayer.{k}" for k in LAYER_KEYS) if k in state})
+        if cfg.draft_vocab_size != cfg.target_vocab_size:
+            if "d2t" not in state:
+                raise ValueError(f"drafter {r.path}: draft vocabulary {cfg.draft_vocab_size} < the target's "
+                                 f"{cfg.target_vocab_size} but no d2t map is saved")
+            mapped["d2t"] = state["d2t"].long()
+            mapped["t2d"] = state["t2d"].bool() if "t2d" in state else head.t2d
+        else:  # no reduced vocabulary: the identity (SafeAILab deletes the buffers, vLLM zero-initialises d2t)
+            mapped["d2t"], mapped["t2d"] = head.d2t, head.t2d
+        _load_exactly(head, mapped, r)
+        return Eagle3Drafter(head, target)
+    from mmspec_ray.drafters.eagle import Eagle2Config, Eagle2Drafter, Eagle2Head
+
+    c = r.config
+    heads, kv = _heads(c)
+    cfg = Eagle2Config(hidden_size=int(c["hidden_size"]), num_heads=heads, num_kv_heads=kv,
+                       intermediate_size=int(c["intermediate_size"]), rope_theta=float(c.get("rope_theta") or 10000.0),
+                       rms_eps=float(c.get("rms_norm_eps", 1e-6)), qkv_bias="qkv_bias" in c,
+                       target_vocab_size=int(c.get("vocab_size", target.vocab_size)))
+    head = Eagle2Head(cfg)
+    mapped = {"fc.weight": state["fc.weight"],
+              "fc.bias": state.get("fc.bias", torch.zeros(cfg.hidden_size, dtype=state["fc.weight"].dtype)),
+              "layer.post_norm.weight": state["layers.0.post_attention_layernorm.weight"]}
+    mapped.update({f"layer.{_layer_name(k)}": state[f"layers.0.{k}"] for k in LAYER_KEYS if f"layers.0.{k}" in state})
+    _load_exactly(head, mapped, r)
+    return Eagle2Drafter(head, target)
+
+
+def _load_exactly(head: torch.nn.Module, mapped: dict[str, torch.Tensor], r: ReleasedDrafter) -> None:
+    """Load every parameter of `head` from `mapped`, refusing a missing key or a shape that differs, by name."""
+    own = head.state_dict()
+    missing = sorted(set(own) - set(mapped))
+    if missing:
+        raise ValueError(f"drafter {r.path} ({r.layout}): weights missing for {missing}")
+    bad = [f"{k} {list(mapped[k].shape)} vs {list(v.shape)}" for k, v in own.items() if mapped[k].shape != v.shape]
+    if bad:
+        raise ValueError(f"drafter {r.path} ({r.layout}): shapes differ from its config: " + "; ".join(bad))
+    head.load_state_dict({k: mapped[k].to(own[k].dtype) for k in own})
