@@ -18,7 +18,7 @@ M = TypeVar("M", bound=BaseModel)
 SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
                   "repetition_penalty": "--repetition-penalty", "seed": "--seed"}
 TREE_FLAGS = {"top_k": "--tree-top-k", "depth": "--tree-depth", "total_tokens": "--tree-tokens"}
-TRAINED_METHODS = ("eagle2", "msd", "specflash", "hivis", "vispec", "dream")  # methods `train-drafter` trains (mmspec_ray.training.methods.METHODS)
+TRAINED_METHODS = ("eagle2", "eagle3", "msd", "specflash", "hivis", "vispec", "dream")  # methods `train-drafter` trains (mmspec_ray.training.methods.METHODS)
 
 
 class UsageError(Exception):

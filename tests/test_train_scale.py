@@ -105,7 +105,7 @@ def test_train_drafter_for_a_saved_checkpoint_from_s3_on_ray_data_and_ray_train(
                    work=f"s3://{bucket}/work", heldout=3, num_workers=2, cpus_per_worker=0.5, max_failures=2,
                    rows_per_shard=4,
                    train=TrainConfig(epochs=12, batch_size=4, lr=3e-3, warmup_steps=2, eval_max_new_tokens=8),
-                   recipe={"max_new_tokens": MAX_NEW}, decode={"s3": s3, "device": "cpu"})
+                   recipe={"max_new_tokens": MAX_NEW, "aux_features": True}, decode={"s3": s3, "device": "cpu"})
     killed: list[int] = []
     stop = threading.Event()
     killer = threading.Thread(target=kill_one_worker_after_checkpoints,
@@ -159,11 +159,14 @@ def test_train_drafter_for_a_saved_checkpoint_from_s3_on_ray_data_and_ray_train(
 
     # every other method trains from the same shards on Ray Train (nothing answered again): MSD's and ViSpec's
     # two-stage schedules read the text-only rows first; SpecFLASH and ViSpec cut media by the segments stored with
-    # each example, HiViS trains on the selection made where the target is loaded (workers never load it)
+    # each example, HiViS trains on the selection made where the target is loaded (workers never load it), EAGLE-3
+    # on the three layers' states stored with each example and a draft vocabulary counted where the target is
     two = job.train.model_copy(update={"epochs": 2})
     trained = {"eagle2": summary}
-    for method in ("msd", "vispec", "hivis", "specflash"):
+    for method in ("msd", "vispec", "hivis", "specflash", "eagle3"):
         options = {"min_answer_words": 0} if method == "hivis" else {}  # the tiny model answers in word-less soup
+        if method == "eagle3":  # a draft vocabulary smaller than the target's: built on the driver from the shards
+            options = {"draft_vocab_size": 64, "ttt_steps": 3}
         res = run_train_job(job.model_copy(update={"method": method, "out": f"s3://{bucket}/drafters/{method}",
                                                    "method_options": options,
                                                    "train": two.model_copy(update={"epochs": 3}) if method == "vispec"

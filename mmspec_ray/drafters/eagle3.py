@@ -6,14 +6,14 @@ draft vocabulary, mapped to target ids by `d2t` (an offset: target id = i + d2t[
 Wiring, as SafeAILab/EAGLE, SpecForge, vLLM and SGLang run these heads: feature k is hs[k], the input of decoder
 layer k (HF `hidden_states[k]`), by default k in (2, L // 2, L - 3), concatenated in that order; the layer's residual
 is the un-normed fused feature; the draft's own pre-norm output is fed back as the next step's feature (no fc);
-media positions of the prompt carry the token embedding of their placeholder id, as SpecForge trains its Qwen2.5-VL
-heads and vLLM runs them. Positions are 1-D over the draft sequence (M-RoPE draft positions are not reproduced).
+released heads read the token embedding of a media position's placeholder id, as SpecForge trains its Qwen2.5-VL
+heads and vLLM runs them (heads trained here read the merged media embeddings, as every drafter here). Positions are 1-D over the draft sequence (M-RoPE draft positions are not reproduced).
 The drafting loop is EAGLE-2's (`Eagle2Drafter`): only the head, the features and the logits differ.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
@@ -35,10 +35,17 @@ def default_feature_layers(n_layers: int) -> list[int]:
 class Eagle3Config(Eagle2Config):
     method: str = "eagle3"
     draft_vocab_size: int = 0  # 0: the target's vocabulary (no d2t mapping needed)
+    # the target ids the draft vocabulary holds, ascending (trained here: the most frequent answer tokens of the
+    # training data); [] with a reduced vocabulary: d2t / t2d come with the weights (released heads)
+    draft_tokens: list[int] = []
     feature_layers: list[int] = []  # hs indices (input of decoder layer k); [] = default_feature_layers(L)
     head_dim: int | None = None  # None: hidden_size // num_heads
     norm_before_residual: bool = False  # residual = the normed feature (some producers); False: the un-normed one
     layout: str = "mmspec"  # where the weights came from (a released layout keeps its name here, for inspect)
+    # what a media position of the prompt feeds the drafter: "merged" (the target's own input: the media embeddings,
+    # as this project trains every drafter) or "token" (the placeholder id's token embedding, as SpecForge trains
+    # released Qwen2.5-VL heads and vLLM runs them)
+    media_embeds: Literal["merged", "token"] = "merged"
 
     @classmethod
     def for_target(cls, target: "VLMTarget") -> "Eagle3Config":
@@ -69,6 +76,13 @@ class Eagle3Head(Eagle2Head):
         self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(cfg.target_vocab_size, dtype=torch.bool) if vd == cfg.target_vocab_size
                              else torch.zeros(cfg.target_vocab_size, dtype=torch.bool))
+        if cfg.draft_tokens:
+            used = torch.tensor(sorted(cfg.draft_tokens), dtype=torch.long)
+            if len(used) != vd:
+                raise ValueError(f"EAGLE-3 config: {len(used)} draft tokens for a draft vocabulary of {vd}")
+            self.d2t.copy_(used - torch.arange(vd))  # an offset: target id = i + d2t[i]
+            self.t2d.zero_()
+            self.t2d[used] = True
 
     def forward(self, embeds: torch.Tensor, feats: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None, at: int = 0,
@@ -87,6 +101,16 @@ class Eagle3Head(Eagle2Head):
     def target_ids(self) -> torch.Tensor:
         """[Vd] the target id of each draft id (i + d2t[i])."""
         return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
+
+
+def frequent_tokens(answers: list[torch.Tensor], vocab: int, size: int) -> list[int]:
+    """The draft vocabulary of `size` ids: the most frequent tokens of the answers, then (where fewer were seen) the
+    lowest unseen ids, ascending (SafeAILab's and SpecForge's construction)."""
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for a in answers:
+        counts += torch.bincount(a.long().flatten(), minlength=vocab)[:vocab]
+    order = sorted(range(vocab), key=lambda i: (-int(counts[i]), i))
+    return sorted(order[:size])
 
 
 def check_layers(cfg: Eagle3Config, target: "VLMTarget") -> list[int]:
@@ -116,8 +140,11 @@ class Eagle3Drafter(Eagle2Drafter):
         return torch.cat([out.layers[k] for k in self.layers], dim=-1)
 
     def prompt_embeds(self, prefill: "TargetOutput") -> torch.Tensor:
-        """The token embeddings of the prompt ids (media positions: their placeholder's), not the merged media."""
-        return self.target.embed_tokens(prefill.input_ids)
+        """The prompt's embeddings as the head was trained on them: the merged media embeddings, or (released heads)
+        the token embeddings of the prompt ids, media positions their placeholder's."""
+        if self.head.cfg.media_embeds == "token":
+            return self.target.embed_tokens(prefill.input_ids)
+        return prefill.inputs_embeds
 
     def logprobs(self, out: torch.Tensor) -> torch.Tensor:
         """[n, V]: the draft vocabulary's log-probabilities at their target ids, -inf at every other id."""

@@ -145,7 +145,7 @@ def eagle3_config(r: ReleasedDrafter, target: "VLMTarget"):
                         target_vocab_size=int(c.get("vocab_size", target.vocab_size)),
                         draft_vocab_size=int(c.get("draft_vocab_size") or c.get("vocab_size", target.vocab_size)),
                         feature_layers=aux_layers(r), head_dim=c.get("head_dim"), layout=r.layout,
-                        norm_before_residual=bool(c.get("norm_before_residual", False)))
+                        norm_before_residual=bool(c.get("norm_before_residual", False)), media_embeds="token")
 
 
 EAGLE3_KEYS = {  # released name -> Eagle3Head name

@@ -82,26 +82,28 @@ def drafter_dir(world: ToyWorld, method: str) -> Path:
     return world.root / "drafters" / method
 
 
-def toy_features(world: ToyWorld, target, recipe: ToyDrafterRecipe, text: bool = False, mid: bool = False) -> Path:
+def toy_features(world: ToyWorld, target, recipe: ToyDrafterRecipe, text: bool = False, mid: bool = False,
+                 aux: bool = False) -> Path:
     """The world's target-answered features: multimodal train prompts, the text-only corpus (`text`), or the
     multimodal prompts rewritten to ask for long answers (`recipe.long_answers`, sampled at its temperature; a
     directory of its own, named by both). `mid`: the examples also carry DREAM's entropy-selected intermediate
-    features (a directory of its own, suffix -mid; same prompts, same greedy answers)."""
+    features (a directory of its own, suffix -mid; same prompts, same greedy answers); `aux`: EAGLE-3's three
+    feature layers (suffix -aux)."""
     n = (recipe.text_examples or recipe.examples) if text else recipe.examples
     long = bool(recipe.long_answers) and not text
     temp = float(recipe.answer_temperature or 0.0) if long else 0.0
     kind = "text" if text else f"long-T{temp:g}" if long else "multimodal"
-    out = world.root / "drafter-data" / f"{kind}-n{n}-t{recipe.max_new_tokens}{'-mid' if mid else ''}"
+    suffix = "-mid" if mid else "-aux" if aux else ""
+    out = world.root / "drafter-data" / f"{kind}-n{n}-t{recipe.max_new_tokens}{suffix}"
     if (out / "manifest.json").exists() or (out / "index.json").exists():
         return out
     reqs = (toy_text_requests(world, "train", n, seed=1) if text else
             toy_long_requests(world, "train", n, seed=1) if long else toy_requests(world, "train", n, seed=1))
-    plain = out.with_name(out.name.removesuffix("-mid"))
-    if mid and (plain / "manifest.json").exists():  # the same prompts answered already: reuse the answers
-        return refeaturize(target, list(reqs), plain, DatagenRecipe(max_new_tokens=recipe.max_new_tokens,
-                                                                    temperature=temp, mid_features=True), out)
-    return generate_features(target, reqs, DatagenRecipe(max_new_tokens=recipe.max_new_tokens, temperature=temp,
-                                                         mid_features=mid), out, total=n)
+    plain = out.with_name(out.name.removesuffix(suffix)) if suffix else out
+    data = DatagenRecipe(max_new_tokens=recipe.max_new_tokens, temperature=temp, mid_features=mid, aux_features=aux)
+    if suffix and (plain / "manifest.json").exists():  # the same prompts answered already: reuse the answers
+        return refeaturize(target, list(reqs), plain, data, out)
+    return generate_features(target, reqs, data, out, total=n)
 
 
 def train_drafter_on_world(world: ToyWorld, out: Path, method: "str | TrainingMethod", recipe: ToyDrafterRecipe,
@@ -113,9 +115,9 @@ def train_drafter_on_world(world: ToyWorld, out: Path, method: "str | TrainingMe
         "long_answers": m.long_answers if recipe.long_answers is None else recipe.long_answers,
         "answer_temperature": m.answer_temperature if recipe.answer_temperature is None else recipe.answer_temperature})
     target = load_target(world.target)
-    mid = "mid" in m.needs
-    mm = load_features(toy_features(world, target, recipe, mid=mid))
-    text = (load_features(toy_features(world, target, recipe, text=True, mid=mid))
+    mid, aux = "mid" in m.needs, "aux" in m.needs
+    mm = load_features(toy_features(world, target, recipe, mid=mid, aux=aux))
+    text = (load_features(toy_features(world, target, recipe, text=True, mid=mid, aux=aux))
             if stage_schedule(m, recipe.train).uses_text else [])
     heldout = list(toy_requests(world, "validation", recipe.heldout, seed=2))
     train_drafter(m, target, mm, out, recipe.train, heldout=heldout, resume=resume, text_examples=text)

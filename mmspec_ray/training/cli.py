@@ -82,7 +82,8 @@ def job_from_args(a: argparse.Namespace, target: str) -> "TrainJob":
                     limit=a.limit, train=train,
                     recipe={"max_new_tokens": a.max_new_tokens, "temperature": a.answer_temperature
                             if a.answer_temperature is not None else training_method(a.method).answer_temperature,
-                            "mid_features": "mid" in training_method(a.method).needs},
+                            "mid_features": "mid" in training_method(a.method).needs,
+                            "aux_features": "aux" in training_method(a.method).needs},
                     decode=decode, datagen_actors=a.datagen_actors, gpus_per_actor=1.0 if a.use_gpu else 0.0,
                     num_workers=a.num_workers, use_gpu=a.use_gpu, cpus_per_worker=a.cpus_per_worker,
                     max_failures=a.max_failures, rows_per_shard=a.rows_per_shard)

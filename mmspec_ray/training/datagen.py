@@ -1,6 +1,6 @@
 """Drafter training data: the target answers each prompt itself, then one teacher-forced target forward over
-prompt + answer records its features (last post-norm hidden state), input embeddings (media merged in) and media
-segments (each image / frame / temporal group, cut as the target cuts it when a drafter drafts).
+prompt + answer records its features (last post-norm hidden state; EAGLE-3's three layers where asked), input
+embeddings (media merged in) and media segments (each image / frame / temporal group, cut as the target cuts it when a drafter drafts).
 
 Regenerating answers with the target (rather than using a data set's own answers) makes the drafter learn the
 distribution it will actually be asked to predict.
@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from mmspec_ray.config import SamplingParams
 from mmspec_ray.decoding.engine import AREngine
+from mmspec_ray.drafters.eagle3 import default_feature_layers
 from mmspec_ray.targets.base import Request, VLMTarget
 from mmspec_ray.training.dream import entropy_candidates, intermediate_features
 from mmspec_ray.training.shards import FeatureExample, ShardStore
@@ -41,6 +42,7 @@ class DatagenRecipe(BaseModel):
     seed: int = 0
     dtype: str = "float16"  # storage dtype of features
     mid_features: bool = False  # DREAM: also each position's entropy-selected intermediate feature (`mid`)
+    aux_features: bool = False  # EAGLE-3: also the states at its three feature layers (`aux`)
 
 
 def extend_inputs(inputs: dict, extra: list[int]) -> dict:
@@ -72,16 +74,24 @@ def featurize(target: VLMTarget, request: Request, answer: list[int], recipe: Da
     """One teacher-forced target forward over the prompt + `answer` (the target's own answer): the example."""
     inputs = target.encode(request)
     n_prompt = inputs["input_ids"].shape[1]
-    layers = entropy_candidates(int(target.text_config.num_hidden_layers)) if recipe.mid_features else ()
-    out = target.prefill(extend_inputs(inputs, list(answer)), entropy_layers=layers)
+    n_layers = int(target.text_config.num_hidden_layers)
+    layers = entropy_candidates(n_layers) if recipe.mid_features else ()
+    aux_layers = default_feature_layers(n_layers) if recipe.aux_features else []
+    kept = target.feature_layers
+    target.feature_layers = tuple(sorted(set(kept) | set(aux_layers)))
+    try:
+        out = target.prefill(extend_inputs(inputs, list(answer)), entropy_layers=layers)
+    finally:
+        target.feature_layers = kept
     dt = getattr(torch, recipe.dtype)
     mid = None
     if layers:
         mid = intermediate_features({i: e[0] for i, e in out.attention_entropy.items()},
                                     {i: out.layers[i + 1][0] for i in layers})[0].to(dt).cpu()
     segments = None if out.media_segments is None else out.media_segments[0].to(torch.int32).cpu()
+    aux = torch.cat([out.layers[k][0] for k in aux_layers], -1).to(dt).cpu() if aux_layers else None
     return FeatureExample(out.input_ids[0].cpu(), out.hidden[0].to(dt).cpu(), out.inputs_embeds[0].to(dt).cpu(),
-                          n_prompt, out.media_mask[0].cpu(), mid, segments)
+                          n_prompt, out.media_mask[0].cpu(), mid, segments, aux)
 
 
 def generate_features(target: VLMTarget, requests: Iterable[Request], recipe: DatagenRecipe, out_dir: str | Path,

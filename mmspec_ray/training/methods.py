@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 
 from mmspec_ray.drafters.dream import DreamDrafter, DreamHead
 from mmspec_ray.drafters.eagle import Eagle2Drafter, Eagle2Head
+from mmspec_ray.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head, frequent_tokens
 from mmspec_ray.drafters.layers import causal_pad_mask
 from mmspec_ray.drafters.hivis import HiViSDrafter, HiViSHead
 from mmspec_ray.drafters.msd import MSDDrafter, MSDHead
@@ -92,8 +94,14 @@ class TrainingMethod:
     drafter_class: ClassVar[type[Eagle2Drafter]] = Eagle2Drafter
     mixes_text: ClassVar[bool] = False  # every epoch holds the text-only pool too (StageSchedule.mixed)
 
-    def head(self, target: "VLMTarget") -> nn.Module:
+    def head(self, target: "VLMTarget", examples: list[FeatureExample] | None = None) -> nn.Module:
+        """A fresh head for `target`; `examples` (the training pool) where the method fits its config to the data
+        (EAGLE-3's draft vocabulary)."""
         return self.head_class(self.head_class.config_class.for_target(target))
+
+    def head_needs_examples(self, target: "VLMTarget") -> bool:
+        """Whether `head` needs the training examples for this target (Ray Train's driver then reads them)."""
+        return False
 
     def head_from_config(self, config: dict) -> nn.Module:
         """A fresh head from a saved head config (`head.cfg.model_dump()`): how training workers that never load
@@ -183,7 +191,7 @@ class SpecFlashMethod(TrainingMethod):
         self.target: "VLMTarget | None" = None
         self.cfg = None  # the head's config (set by head / head_from_config)
 
-    def head(self, target: "VLMTarget") -> nn.Module:
+    def head(self, target: "VLMTarget", examples: list[FeatureExample] | None = None) -> nn.Module:
         """The head for `target`; also records the target, which cuts the media of examples stored without their
         segments (features generated before examples carried them)."""
         self.target = target
@@ -231,7 +239,7 @@ class ViSpecMethod(TrainingMethod):
         self.target: "VLMTarget | None" = None
         self.stage2 = True  # set per epoch; no MTP in stage 1
 
-    def head(self, target: "VLMTarget") -> nn.Module:
+    def head(self, target: "VLMTarget", examples: list[FeatureExample] | None = None) -> nn.Module:
         self.target = target
         return self.head_class(self.head_class.config_class.for_target(target).model_copy(update=self.options))
 
@@ -270,7 +278,7 @@ class DreamMethod(TrainingMethod):
         self.options = {k: v for k, v in (("vtc_keep", vtc_keep), ("intermed_tap", intermed_tap),
                                           ("gate_init", gate_init)) if v is not None}
 
-    def head(self, target: "VLMTarget") -> nn.Module:
+    def head(self, target: "VLMTarget", examples: list[FeatureExample] | None = None) -> nn.Module:
         return self.head_class(self.head_class.config_class.for_target(target).model_copy(update=self.options))
 
     def collate(self, examples, idx, noise, gen):
@@ -419,24 +427,32 @@ class HiViSMethod(TrainingMethod):
         return total, parts
 
 
-def multi_step_forward(head: HiViSHead, emb: torch.Tensor, feat: torch.Tensor, valid: torch.Tensor,
-                       passes: int) -> list[torch.Tensor]:
-    """Outputs [B, T, d] of passes f = 0..passes-1 (HASS's parallel self-feedback, spec §3.4). Pass 0 is the
-    teacher-forced forward; pass f feeds entry t the token embedding of pass 0 with pass f-1's output at t-1
-    (detached: no gradient through the chain) and e_seq^min(f, 3), and attends by `multi_step_mask`, so its output
-    at t is what a drafter started after real features up to t - f predicts at its f-th self-fed step."""
+def multi_step_forward(head: nn.Module, emb: torch.Tensor, feat: torch.Tensor, valid: torch.Tensor,
+                       passes: int, run: "Callable[..., torch.Tensor] | None" = None) -> list[torch.Tensor]:
+    """Outputs [B, T, d] of passes f = 0..passes-1 (HASS's parallel self-feedback, HiViS spec §3.4; EAGLE-3's
+    training-time test). Pass 0 is the teacher-forced forward; pass f feeds entry t the token embedding of pass 0
+    with pass f-1's output at t-1 (detached: no gradient through the chain) and attends by `multi_step_mask`, so its
+    output at t is what a drafter started after real features up to t - f predicts at its f-th self-fed step.
+    `run(emb, feats, f, pos, mask, kv, at)` is one pass of the head (default: HiViS's, with e_seq^min(f, 3))."""
     B, T, _ = emb.shape
     pos = torch.arange(T, device=emb.device)[None].expand(B, -1)
     layer = head.layer
+    if run is None:
+        def run(emb, feats, f, pos, mask, kv, at):
+            return layer(head.with_step(head.inputs(emb, feats, None), torch.full((B, T), f)), pos, mask, kv, at)
     blank = emb.new_zeros(B, layer.kv_heads, T, layer.head_dim)
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     outs: list[torch.Tensor] = []
     for f in range(passes):
-        feats = feat if f == 0 else torch.cat([feat[:, :1], outs[-1][:, :-1].detach()], 1)
-        x = head.with_step(head.inputs(emb, feats, None), torch.full((B, T), f))
+        if f == 0:
+            feats = feat
+        else:  # entry 0 has no earlier output: it is never read by a loss-bearing entry of pass f (any value does)
+            prev = outs[-1][:, :-1].detach()
+            first = feat[:, :1] if feat.shape[-1] == prev.shape[-1] else prev.new_zeros(B, 1, prev.shape[-1])
+            feats = torch.cat([first, prev], 1)
         kv = (torch.cat(keys + [blank], 2), torch.cat(values + [blank], 2))  # the layer writes block f in place
-        outs.append(layer(x, pos, multi_step_mask(T, f, valid), kv, f * T))
+        outs.append(run(emb, feats, f, pos, multi_step_mask(T, f, valid), kv, f * T))
         keys.append(kv[0][:, :, f * T:])
         values.append(kv[1][:, :, f * T:])
     return outs
@@ -453,10 +469,75 @@ def chain_alive(hits: list[torch.Tensor]) -> list[torch.Tensor]:
     return alive
 
 
+class Eagle3Method(TrainingMethod):
+    """EAGLE-3: three target layers fused by fc; no feature regression, only the token distribution: soft
+    cross-entropy against the target's next-token distribution over the draft vocabulary, at each of `ttt_steps`
+    unrolled steps on the drafter's own outputs (training-time test), step i weighted `step_decay`^i. The draft
+    vocabulary: the whole target vocabulary up to `draft_vocab_size` ids, else the most frequent answer tokens.
+    No feature noise (the unrolled steps train on the drafter's own, noisier, features instead)."""
+
+    name = "eagle3"
+    needs = ("hidden", "embeds", "aux")
+    head_class = Eagle3Head
+    drafter_class = Eagle3Drafter
+
+    def __init__(self, ttt_steps: int = 7, draft_vocab_size: int = 32000, step_decay: float = 0.8) -> None:
+        if ttt_steps < 1 or draft_vocab_size < 1:
+            raise ValueError(f"eagle3: ttt_steps {ttt_steps} and draft_vocab_size {draft_vocab_size} must be >= 1")
+        self.ttt_steps, self.draft_vocab_size, self.step_decay = ttt_steps, draft_vocab_size, step_decay
+
+    def head_needs_examples(self, target: "VLMTarget") -> bool:
+        return target.vocab_size > self.draft_vocab_size
+
+    def head(self, target: "VLMTarget", examples: list[FeatureExample] | None = None) -> nn.Module:
+        cfg = Eagle3Config.for_target(target)
+        if self.head_needs_examples(target):
+            if not examples:
+                raise ValueError("eagle3: the draft vocabulary is built from the training answers' token counts; "
+                                 "give the examples (or draft_vocab_size >= the target's vocabulary)")
+            tokens = frequent_tokens([ex.input_ids[ex.n_prompt:] for ex in examples], target.vocab_size,
+                                     self.draft_vocab_size)
+            cfg = cfg.model_copy(update={"draft_vocab_size": self.draft_vocab_size, "draft_tokens": tokens})
+        return Eagle3Head(cfg)
+
+    def collate(self, examples, idx, noise, gen):
+        """EAGLE's pairing (entry j: token j+1 with the features at j, predicting the state at j+1), the features
+        the three layers' states."""
+        batch = eagle_collate(examples, idx, 0.0, gen)
+        B, T = batch["valid"].shape
+        feat = torch.zeros(B, T, examples[idx[0]].aux.shape[1])
+        for b, i in enumerate(idx):
+            aux = examples[i].aux
+            feat[b, :aux.shape[0] - 1] = aux[:-1].float()
+        batch["feat"] = feat
+        return batch
+
+    def loss(self, head, batch, lm_head_weight, p_weight):
+        tgt, T = batch["tgt"], batch["tgt"].shape[1]
+        outs = multi_step_forward(head, batch["emb"], batch["feat"], batch["valid"], self.ttt_steps,
+                                  run=lambda emb, feats, f, pos, mask, kv, at: head(emb, feats, pos, mask, kv, at))
+        with torch.no_grad():
+            p = torch.softmax((tgt.float() @ lm_head_weight.float().T)[..., head.target_ids()], -1)
+            y = p.argmax(-1)
+        total = torch.zeros((), device=tgt.device)
+        parts: dict[str, float] = {}
+        for f, out in enumerate(outs):
+            m = (batch["loss_mask"] & (torch.arange(T, device=tgt.device) >= f)[None]).float()
+            logq = torch.log_softmax(head.logits(out).float(), -1)
+            step = (-(p * logq).sum(-1) * m).sum() / m.sum().clamp_min(1.0)
+            total = total + self.step_decay ** f * step
+            with torch.no_grad():
+                acc = float(((logq.argmax(-1) == y).float() * m).sum() / m.sum().clamp_min(1.0))
+            parts[f"ploss_step{f}"], parts[f"top1_step{f}"] = float(step.detach()), acc
+        parts["ploss"], parts["top1"] = parts["ploss_step0"], parts["top1_step0"]
+        return total, parts
+
+
 METHODS: dict[str, type[TrainingMethod]] = {m.name: m for m in (TrainingMethod, MSDMethod, HiViSMethod)}
 METHODS[SpecFlashMethod.name] = SpecFlashMethod
 METHODS[DreamMethod.name] = DreamMethod
 METHODS[ViSpecMethod.name] = ViSpecMethod
+METHODS[Eagle3Method.name] = Eagle3Method
 
 
 def training_method(name: str, options: dict[str, Any] | None = None) -> TrainingMethod:

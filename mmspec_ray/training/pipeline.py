@@ -147,6 +147,7 @@ def run_train_job(job: TrainJob, dry_run: bool = False) -> dict[str, Any]:
 
     job = absolute_paths(job)
     m = training_method(job.method, job.method_options)
+    job = with_method_features(job, m)
     cfg = job.decode_config()
     held = heldout_ids(job, cfg)
     check_plan_early(m, job)
@@ -262,13 +263,24 @@ def train_single_process(job: TrainJob, features: str, held: list[str]) -> list[
     return json.loads((run / "history.json").read_text())
 
 
+def with_method_features(job: TrainJob, m) -> TrainJob:
+    """The job with the features its method needs switched on in the data recipe (DREAM's intermediate layer,
+    EAGLE-3's three layers); a recipe that asks for more keeps it."""
+    r = job.recipe
+    update = {"mid_features": r.mid_features or "mid" in m.needs, "aux_features": r.aux_features or "aux" in m.needs}
+    return job.model_copy(update={"recipe": r.model_copy(update=update)})
+
+
 def prepare_head_init(job: TrainJob) -> HeadInit:
     """What Ray Train workers start from (they never load the target): the head init, and for a method that selects
     its data with the target, its choice per feature shard."""
     m = training_method(job.method, job.method_options)
     target = load_job_target(job)
     s3 = job.decode_config().s3
-    init = write_head_init(m, target, job.work_dir.rstrip("/") + "/init", s3).model_copy(
+    examples = None
+    if m.head_needs_examples(target):  # e.g. EAGLE-3's draft vocabulary from the answers' token counts
+        examples = ShardStore(job.work_dir.rstrip("/") + "/features", s3).load_all()
+    init = write_head_init(m, target, job.work_dir.rstrip("/") + "/init", s3, examples).model_copy(
         update={"method_options": job.method_options})
     if not m.selects:
         return init
@@ -378,11 +390,11 @@ def run_name(job: TrainJob) -> str:
     return f"{job.method}-drafter-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
 
 
-def write_head_init(m, target, uri: str, s3) -> HeadInit:
+def write_head_init(m, target, uri: str, s3, examples: list | None = None) -> HeadInit:
     """The head config and LM-head weight Ray Train workers build their head from (they never load the target)."""
     from safetensors.torch import save
 
-    head_config = m.head(target).cfg.model_dump(mode="json")
+    head_config = m.head(target, examples).cfg.model_dump(mode="json")
     store = ShardStore(uri, s3)
     W = target.model.get_output_embeddings().weight.detach().float().cpu().contiguous()
     store.write(HEAD_INIT_FILE, save({"weight": W}))

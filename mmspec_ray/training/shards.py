@@ -41,6 +41,9 @@ class FeatureExample:
     # [L] int: the image / frame / temporal group each position lies in (-1: text), as the target cut the prompt at
     # prefill (`TargetOutput.media_segments`); None for features stored before it was
     segments: torch.Tensor | None = None
+    # [L, 3d] EAGLE-3: the target's states at its three feature layers (hs[k], the input of decoder layer k, for k in
+    # `drafters.eagle3.default_feature_layers`), concatenated low, mid, high
+    aux: torch.Tensor | None = None
 
     def pieces(self) -> list[tuple[int, int]] | None:
         """(start, end) of each image / frame / temporal group, as the drafter meets them when it drafts (None when
@@ -82,6 +85,8 @@ def shard_bytes(examples: list[FeatureExample], ids: list[str] | None = None,
             tensors[f"{j}.mid"] = ex.mid.contiguous()
         if ex.segments is not None:
             tensors[f"{j}.segments"] = ex.segments.to(torch.int32).contiguous()
+        if ex.aux is not None:
+            tensors[f"{j}.aux"] = ex.aux.contiguous()
     meta = {"ids": json.dumps(list(ids or [])), "errors": json.dumps(errors or {}), "examples": str(len(examples)),
             "multimodal": str(sum(ex.multimodal for ex in examples))}
     return st_save(tensors, metadata=meta)
@@ -92,7 +97,7 @@ def examples_from_bytes(data: bytes) -> list[FeatureExample]:
     n = len({k.split(".")[0] for k in t})
     return [FeatureExample(t[f"{j}.input_ids"], t[f"{j}.hidden"], t[f"{j}.embeds"], int(t[f"{j}.n_prompt"][0]),
                            t[f"{j}.media"].bool() if f"{j}.media" in t else None, t.get(f"{j}.mid"),
-                           t[f"{j}.segments"].long() if f"{j}.segments" in t else None)
+                           t[f"{j}.segments"].long() if f"{j}.segments" in t else None, t.get(f"{j}.aux"))
             for j in range(n)]
 
 

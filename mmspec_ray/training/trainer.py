@@ -121,7 +121,7 @@ def train_drafter(method: str | TrainingMethod, target: VLMTarget, examples: lis
     n_mm = len(examples)
     torch.manual_seed(cfg.seed)
     W = target.model.get_output_embeddings().weight.detach().float()
-    head = m.head(target).float().to(W.device).train()  # trains where the target sits (its LM head is in the loss)
+    head = m.head(target, pool).float().to(W.device).train()  # trains where the target sits (its LM head is in the loss)
     steps_per_epoch = math.ceil(stages.items_per_epoch(n_mm, len(text_examples)) / cfg.batch_size)
     opt, sched = make_optimizer(head, cfg, steps_per_epoch * cfg.epochs)
     state_path = out / "trainer_state.pt"
