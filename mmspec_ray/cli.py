@@ -349,8 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--drafter", default="auto",
                      help="auto (the default: the toy world's shipped drafter, the one measured fastest there, trained "
-                     "on first use; ngram for other targets), none (plain AR), ngram, a drafter checkpoint directory, "
-                     "or eagle2 / msd / hivis with a toy target")
+                     "on first use; ngram for other targets), none (plain AR), ngram, a drafter checkpoint directory (this "
+                     "project's, or a released EAGLE-1/2/3 or SpecForge head: `mmspec drafter inspect`), or a method "
+                     "name (eagle2, eagle3, hivis, ...) with a toy target")
     gen.add_argument("--tree-top-k", type=int, default=None,
                      help="fix the draft tree (unset ones: top-k 8, depth 5, 48 tokens); with no --tree-* flag the "
                      "tree is calibrated for this target, drafter and machine on first use and cached")

@@ -261,6 +261,9 @@ def test_heads_for_another_target_and_unknown_layouts_are_refused(tmp_path):
     (tmp_path / "e3" / "config.json").write_text(json.dumps({**cfg, "hidden_size": 32}))
     with pytest.raises(ValueError, match=r"hidden size 32 .* the target's 64"):
         load_drafter(str(tmp_path / "e3"), llava)
+    (tmp_path / "e3" / "config.json").write_text(json.dumps({**cfg, "fc_norm": True}))
+    with pytest.raises(ValueError, match=r"EAGLE-3.1 options"):
+        load_drafter(str(tmp_path / "e3"), llava)
     (tmp_path / "odd").mkdir()
     save_file({"encoder.weight": torch.zeros(2, 2)}, str(tmp_path / "odd" / "model.safetensors"))
     (tmp_path / "odd" / "config.json").write_text(json.dumps({"architectures": ["Medusa"]}))

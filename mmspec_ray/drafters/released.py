@@ -169,6 +169,9 @@ def load_released(r: ReleasedDrafter, target: "VLMTarget"):
     if r.method == "eagle3":
         from mmspec_ray.drafters.eagle3 import Eagle3Drafter, Eagle3Head, check_layers
 
+        if r.config.get("fc_norm") or r.config.get("norm_output") is False or any(k.startswith("fc_norm.") for k in state):
+            raise ValueError(f"drafter {r.path} ({r.layout}): EAGLE-3.1 options (fc_norm, norm_output false) are not "
+                             "supported")
         cfg = eagle3_config(r, target)
         check_layers(cfg, target)
         head = Eagle3Head(cfg)
