@@ -69,6 +69,7 @@ MODULES: dict[str, str] = {
     "oracle": "mmspec_ray.drafters.oracle",
 }
 _REGISTRY: dict[str, type] = {}
+RELEASED_MODULE = "mmspec_ray.drafters.released"  # heads in their authors' layouts (EAGLE-1/2/3, SpecForge)
 
 
 def register_drafter(name: str):
@@ -147,10 +148,11 @@ def load_drafter(spec: str | None, target: "VLMTarget", device: str | None = Non
 
     method = json.loads((path / "config.json").read_text()).get("method")
     if not method:  # a head as its authors published it (EAGLE-1/2/3, SpecForge): recognised by its files
-        from mmspec_ray.drafters.released import load_released, recognise
+        import importlib
 
+        released = importlib.import_module(RELEASED_MODULE)  # by name, as the methods' modules (no import circle)
         check_device(device, target)
-        return load_released(recognise(path), target)
+        return released.load_released(released.recognise(path), target)
     cls = drafter_class(method)
     if not hasattr(cls, "load"):
         raise ValueError(f"drafter method {method!r} in {path} cannot be loaded from a checkpoint")
