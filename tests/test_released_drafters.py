@@ -150,25 +150,30 @@ def rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def rope(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
-    """x [H, T, hd] at positions 0..T-1, the Llama (half-split) convention."""
+def rope(x: torch.Tensor, theta: float = 10000.0, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """x [H, T, hd] at `positions` (default 0..T-1), the Llama (half-split) convention."""
     T, hd = x.shape[1], x.shape[2]
     inv = 1.0 / theta ** (torch.arange(0, hd, 2).float() / hd)
-    ang = torch.arange(T).float()[:, None] * inv
+    ang = (torch.arange(T) if positions is None else positions).float()[:, None] * inv
     cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
     x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
-def reference_layer(s: dict, prefix: str, x_attn: torch.Tensor, residual: torch.Tensor, dm: dict) -> torch.Tensor:
+def reference_layer(s: dict, prefix: str, x_attn: torch.Tensor, residual: torch.Tensor, dm: dict,
+                    theta: float = 10000.0, positions: torch.Tensor | None = None) -> torch.Tensor:
     """One Llama decoder layer as the authors' code runs it: q/k/v read `x_attn`, causal attention with RoPE at
     positions 0..T-1, o_proj added to `residual`, post-attention norm, SwiGLU MLP, residual."""
     T, H, KV = x_attn.shape[0], dm["H"], dm["KV"]
     hd = dm["d"] // H
-    q = (x_attn @ s[f"{prefix}self_attn.q_proj.weight"].float().T).view(T, H, hd).transpose(0, 1)
-    k = (x_attn @ s[f"{prefix}self_attn.k_proj.weight"].float().T).view(T, KV, hd).transpose(0, 1)
-    v = (x_attn @ s[f"{prefix}self_attn.v_proj.weight"].float().T).view(T, KV, hd).transpose(0, 1)
-    q, k = rope(q), rope(k)
+    def proj(p, heads):
+        out = x_attn @ s[f"{prefix}self_attn.{p}_proj.weight"].float().T
+        if f"{prefix}self_attn.{p}_proj.bias" in s:
+            out = out + s[f"{prefix}self_attn.{p}_proj.bias"].float()
+        return out.view(T, heads, hd).transpose(0, 1)
+
+    q, k, v = proj("q", H), proj("k", KV), proj("v", KV)
+    q, k = rope(q, theta, positions), rope(k, theta, positions)
     k, v = k.repeat_interleave(H // KV, 0), v.repeat_interleave(H // KV, 0)
     att = torch.softmax((q @ k.transpose(-1, -2)) / hd ** 0.5 + torch.full((T, T), float("-inf")).triu(1), -1) @ v
     h = residual + att.transpose(0, 1).reshape(T, -1) @ s[f"{prefix}self_attn.o_proj.weight"].float().T
@@ -318,3 +323,138 @@ def test_a_released_eagle3_head_samples_the_target_distribution(tmp_path):
     assert accepted > 100, accepted  # acceptance ran (a floor far below what any kernel gives: see the print)
     stat, df = chi2_stat(samples, probs, n)
     assert stat < chi2_critical(df), f"chi2 {stat:.1f} > {chi2_critical(df):.1f} (df {df})"
+
+
+def lineage_tensors(target, seed: int, fc_in: int, qwen2vl: bool = False, std: float = 0.3) -> dict:
+    """SafeAILab `cnets1.py`-lineage keys: embed_tokens (the target's), fc [d, fc_in * d] + bias, layers.0 (MSD's
+    Qwen2-VL layer: an input_layernorm and q/k/v biases)."""
+    g = torch.Generator().manual_seed(seed)
+    dm = dims(target)
+    d, H, KV, I = dm["d"], dm["H"], dm["KV"], dm["I"]
+    hd = d // H
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * std
+
+    s = {"embed_tokens.weight": target.model.get_input_embeddings().weight.detach().clone(),
+         "fc.weight": w(d, fc_in * d), "fc.bias": w(d),
+         "layers.0.self_attn.q_proj.weight": w(H * hd, d), "layers.0.self_attn.k_proj.weight": w(KV * hd, d),
+         "layers.0.self_attn.v_proj.weight": w(KV * hd, d), "layers.0.self_attn.o_proj.weight": w(d, H * hd),
+         "layers.0.mlp.gate_proj.weight": w(I, d), "layers.0.mlp.up_proj.weight": w(I, d),
+         "layers.0.mlp.down_proj.weight": w(d, I), "layers.0.post_attention_layernorm.weight": 1 + w(d)}
+    if qwen2vl:
+        s.update({"layers.0.input_layernorm.weight": 1 + w(d), "layers.0.self_attn.q_proj.bias": w(H * hd),
+                  "layers.0.self_attn.k_proj.bias": w(KV * hd), "layers.0.self_attn.v_proj.bias": w(KV * hd)})
+    return s
+
+
+def lineage_config(target, **extra) -> dict:
+    dm = dims(target)
+    return {"hidden_size": dm["d"], "intermediate_size": dm["I"], "num_attention_heads": dm["H"],
+            "num_key_value_heads": dm["KV"], "num_hidden_layers": 1, "vocab_size": dm["V"], "rms_norm_eps": 1e-6,
+            "bias": True, **extra}
+
+
+def write_msd(path: Path, target, style: str, seed: int = 0) -> dict:
+    """An MSD head as Lyn-Lucy/MSD saves it: pytorch_model.bin with embed_tokens; config model_type `llava`
+    (LLaVA-1.5 template) or `qwen2_vl` (Qwen2-VL template: rope_theta 1e6, an input norm, q/k/v biases)."""
+    s = lineage_tensors(target, seed, 2, qwen2vl=style == "qwen2_vl")
+    cfg = lineage_config(target, model_type=style, architectures=["LlavaLlamaForCausalLM" if style == "llava" else
+                                                                  "Qwen2VLForConditionalGeneration"])
+    if style == "qwen2_vl":
+        cfg.update(rope_theta=1000000.0, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
+    path.mkdir(parents=True, exist_ok=True)
+    torch.save(s, path / "pytorch_model.bin")
+    (path / "config.json").write_text(json.dumps(cfg))
+    return s
+
+
+def write_hivis(path: Path, target, seed: int = 0, steps: int = 3) -> dict:
+    """A HiViS head as the authors' code saves it (strict keys): embed_tokens, fc [d, 3d] over [embedding; feature;
+    residual[step]], `residual` [R, d], layers.0; the Qwen2.5-VL config template for a Qwen target (qkv_bias)."""
+    qwen = target.config.model_type == "qwen2_5_vl"
+    s = lineage_tensors(target, seed, 3)
+    g = torch.Generator().manual_seed(seed + 1)
+    s["residual"] = torch.randn(steps, dims(target)["d"], generator=g) * 0.3
+    if qwen:
+        s.update({f"layers.0.self_attn.{p}_proj.bias": torch.randn(s[f"layers.0.self_attn.{p}_proj.weight"].shape[0],
+                                                                    generator=g) * 0.3 for p in "qkv"})
+    cfg = lineage_config(target, qkv_bias=True, rope_theta=10000.0, architectures=[
+        "Qwen2_5_VLForConditionalGeneration"]) if qwen else lineage_config(target, image_token_id=32000)
+    path.mkdir(parents=True, exist_ok=True)
+    torch.save(s, path / "pytorch_model.bin")
+    (path / "config.json").write_text(json.dumps(cfg))
+    return s
+
+
+@pytest.mark.parametrize("layout", ["msd-llava", "msd-qwen2_vl", "hivis"])
+def test_vision_drafters_in_their_authors_layouts_decode_losslessly(target, layout, tmp_path):
+    path = tmp_path / layout
+    if layout == "hivis":
+        write_hivis(path, target)
+    else:
+        write_msd(path, target, layout.split("-")[1])
+    assert recognise(path).layout == ("hivis-authors" if layout == "hivis" else "msd-authors")
+    drafter = load_drafter(str(path), target)
+    for req in (image_request(), Request(prompt="what is there")):
+        ar = AREngine(target).generate(req, max_new_tokens=24)
+        g = SpecEngine(target, drafter, TREE).generate(req, max_new_tokens=24)
+        assert g.token_ids == ar.token_ids, layout
+        assert g.stats.draft_passes > 0
+
+
+def test_msd_first_draft_matches_a_reference_forward_of_the_authors_wiring(target, tmp_path):
+    """Entry j: if token j+1 is a media token, the raw projected embedding (no fc, no normalisation), else
+    fc([embedding of token j+1; last post-norm hidden j]); layer 0 (Qwen2-VL style: input norm, q/k/v biases),
+    RoPE at rope_theta over 1-D positions; the target's LM head."""
+    style = "qwen2_vl" if target.config.model_type == "qwen2_5_vl" else "llava"
+    s = write_msd(tmp_path / "h", target, style, seed=9)
+    drafter = load_drafter(str(tmp_path / "h"), target)
+    dm = dims(target)
+    with torch.inference_mode():
+        pre = target.prefill(target.encode(image_request(4)))
+        root = int(pre.logits[0, -1].argmax())
+        emb = torch.cat([pre.inputs_embeds[0, 1:], target.embed_tokens(torch.tensor([root]))]).float()
+        media = torch.cat([pre.media_mask[0, 1:], torch.tensor([False])])
+        x = torch.cat([emb, pre.hidden[0].float()], -1) @ s["fc.weight"].T + s["fc.bias"]
+        x = torch.where(media[:, None], emb, x)
+        x_attn = rms(x, s["layers.0.input_layernorm.weight"]) if style == "qwen2_vl" else x
+        out = reference_layer(s, "layers.0.", x_attn, x, dm, theta=1e6 if style == "qwen2_vl" else 1e4)
+        want = torch.log_softmax(target.lm_head(out[-1:]).float(), -1)[0]
+        drafter.begin(target, pre, root)
+        got = drafter.logprobs(drafter.last)[0]
+    assert bool(media.any())
+    assert torch.allclose(got, want, rtol=1e-4, atol=2e-4), (got - want).abs().max()
+
+
+def test_hivis_first_draft_matches_a_reference_forward_of_the_authors_wiring(target, tmp_path):
+    """Media positions dropped (on Qwen2.5-VL also <|vision_start|> before each run, <|vision_end|> after it and
+    one token more); entry k: fc([embedding of kept token k+1; feature of kept token k; residual[0]]); positions
+    0..l-1 on LLaVA, the kept tokens' original indices on Qwen2.5-VL; the target's LM head."""
+    s = write_hivis(tmp_path / "h", target, seed=11)
+    drafter = load_drafter(str(tmp_path / "h"), target)
+    dm = dims(target)
+    qwen = target.config.model_type == "qwen2_5_vl"
+    with torch.inference_mode():
+        pre = target.prefill(target.encode(image_request(5)))
+        root = int(pre.logits[0, -1].argmax())
+        ids = pre.input_ids[0]
+        keep = ~pre.media_mask[0]
+        if qwen:
+            vs = target.tokenizer.convert_tokens_to_ids("<|vision_start|>")
+            for start in torch.nonzero(ids == vs).flatten().tolist():
+                end = start + 1
+                while end < len(ids) and bool(pre.media_mask[0, end]):
+                    end += 1
+                keep[start:end + 2] = False  # start .. the last media token, <|vision_end|>, one more
+        kept = torch.nonzero(keep).flatten()
+        emb = torch.cat([pre.inputs_embeds[0][kept[1:]], target.embed_tokens(torch.tensor([root]))]).float()
+        feats = pre.hidden[0][kept].float()
+        res = s["residual"][0].expand(len(kept), -1)
+        x = torch.cat([emb, feats, res], -1) @ s["fc.weight"].T + s["fc.bias"]
+        out = reference_layer(s, "layers.0.", x, x, dm, positions=kept if qwen else None)
+        want = torch.log_softmax(target.lm_head(out[-1:]).float(), -1)[0]
+        drafter.begin(target, pre, root)
+        got = drafter.logprobs(drafter.last)[0]
+    assert len(kept) < int((~pre.media_mask[0]).sum()) if qwen else len(kept) == int((~pre.media_mask[0]).sum())
+    assert torch.allclose(got, want, rtol=1e-4, atol=2e-4), (got - want).abs().max()

@@ -36,6 +36,7 @@ class Eagle2Config(BaseModel):
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
     qkv_bias: bool = False  # q/k/v with a bias (released heads of Qwen2 targets)
+    input_norm: bool = False  # an input RMSNorm before attention (released MSD heads of Qwen2-VL have one)
     target_model_type: str = ""
     target_vocab_size: int = 0
     target_id: str = ""  # the identity of the checkpoint it was trained for ("": unknown, a model built in memory)
@@ -61,7 +62,7 @@ class Eagle2Head(nn.Module):
         d = cfg.hidden_size
         self.fc = nn.Linear(2 * d, d, bias=True)
         self.layer = DecoderLayer(d, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.rope_theta,
-                                  cfg.rms_eps, input_norm=False, qkv_bias=cfg.qkv_bias)
+                                  cfg.rms_eps, input_norm=cfg.input_norm, qkv_bias=cfg.qkv_bias)
 
     config_class: type[Eagle2Config] = Eagle2Config
 
@@ -230,14 +231,16 @@ class Eagle2Drafter:
                 dst[:, :, :used] = src[:, :, :used]
         return new
 
-    def _extend(self, embeds: torch.Tensor, feats: torch.Tensor, visual: torch.Tensor | None = None) -> None:
+    def _extend(self, embeds: torch.Tensor, feats: torch.Tensor, visual: torch.Tensor | None = None,
+                pos: torch.Tensor | None = None) -> None:
         """Run new context entries (embeds, feats [T, d]; visual [T] bool: the entry's next token is a media
-        token) causally after the existing context; keep their KV."""
+        token) causally after the existing context; keep their KV. `pos` [T]: their position ids (default: slot +
+        `pos_offset`)."""
         S, T = self.ctx_len, embeds.shape[0]
         dev = self.target.device
         self._reserve(S + T)
         mask = extend_mask(S, T, dev)
-        pos = torch.arange(S, S + T, device=dev)[None] + self.pos_offset
+        pos = (torch.arange(S, S + T, device=dev) + self.pos_offset if pos is None else pos.to(dev))[None]
         out = self.head(embeds[None], feats[None], pos, mask, self.kv, S,
                         None if visual is None else visual[None].to(dev))
         self.ctx_len = S + T

@@ -36,6 +36,12 @@ class HiViSConfig(Eagle2Config):
 
     method: str = "hivis"
     seq_steps: int = 4
+    # How the authors' released Qwen2.5-VL heads were trained (drafters/released.py sets both for them): each media
+    # run is dropped together with the <|vision_start|> before it, the <|vision_end|> after it and one token more,
+    # and the kept entries keep their original token indices as positions (a gap where the media was). Heads
+    # trained here (and the authors' LLaVA heads) drop the media positions only and number the entries 0 .. l-1.
+    drop_vision_markers: bool = False
+    original_positions: bool = False
 
 
 class HiViSHead(Eagle2Head):
@@ -64,12 +70,26 @@ class HiViSHead(Eagle2Head):
         self.seq_rows.fill_(self.cfg.seq_steps)
 
 
-def text_entries(prefill: "TargetOutput") -> tuple[torch.Tensor, torch.Tensor]:
-    """(input embeddings [l, d], target features [l, d]) of the prompt's text positions, in order: the media
-    positions (`media_mask`) dropped. A prefill without a media mask cannot be compressed, so it is refused."""
+def text_keep(prefill: "TargetOutput", markers: bool = False) -> torch.Tensor:
+    """[n] bool: the prompt positions the drafter reads. The media positions (`media_mask`) dropped; `markers`:
+    also the token before each media run, the token after it and one more (the authors' Qwen rule). A prefill
+    without a media mask cannot be compressed, so it is refused."""
     if prefill.media_mask is None:
         raise ValueError("the HiViS drafter needs the target's media mask at prefill (TargetOutput.media_mask)")
-    keep = ~prefill.media_mask[0].to(prefill.hidden.device)
+    media = prefill.media_mask[0].to(prefill.hidden.device)
+    keep = ~media
+    if markers:
+        from mmspec_ray.targets.base import media_runs
+
+        for a, b in media_runs(media):
+            keep[max(0, a - 1):b + 2] = False
+    return keep
+
+
+def text_entries(prefill: "TargetOutput") -> tuple[torch.Tensor, torch.Tensor]:
+    """(input embeddings [l, d], target features [l, d]) of the prompt's text positions, in order: the media
+    positions (`media_mask`) dropped."""
+    keep = text_keep(prefill)
     return prefill.inputs_embeds[0][keep], prefill.hidden[0][keep]
 
 
@@ -83,7 +103,12 @@ class HiViSDrafter(Eagle2Drafter):
     def begin(self, target: "VLMTarget", prefill: "TargetOutput", root: int) -> None:
         """Context = text entries only: entry k is [embedding of text token k+1 (the root after the last); target
         feature at text token k], positions 0 .. l-1, sequential embedding e_seq^0."""
-        self.ctx_len, self.last = 0, None
-        embeds, feats = text_entries(prefill)
-        self._extend(torch.cat([embeds[1:], self._embed([root])], 0), feats)
+        self.ctx_len, self.last, self.pos_offset = 0, None, 0
+        cfg = self.head.cfg
+        keep = text_keep(prefill, cfg.drop_vision_markers)
+        embeds, feats = prefill.inputs_embeds[0][keep], prefill.hidden[0][keep]
+        pos = torch.nonzero(keep).flatten() if cfg.original_positions else None  # entry k sits at its feature's index
+        self._extend(torch.cat([embeds[1:], self._embed([root])], 0), feats, pos=pos)
+        if cfg.original_positions:  # later entries continue from the prompt's length
+            self.pos_offset = int(keep.shape[0]) - self.ctx_len
         self.prefill_tokens = self.ctx_len

@@ -11,6 +11,12 @@ vocabulary and feature layers, each refused by name. Recognised layouts:
   `eagle_config.eagle_aux_hidden_state_layer_ids` are layer *outputs* (hs[k + 1]) where given.
 - `eagle-safeailab`: EAGLE-1 / EAGLE-2 heads (`fc` 2d -> d, `layers.0.*` without an input norm, usually a copy of the
   target's `embed_tokens`, which is checked and not used; no LM head: the target's is used).
+- `msd-authors`: MSD heads (Lyn-Lucy/MSD): EAGLE-1's keys, a config whose `model_type` is `llava` or `qwen2_vl`
+  (Qwen2-VL heads: an input norm and q/k/v biases); media entries take the raw projected embeddings (no
+  normalisation).
+- `hivis-authors`: HiViS heads: `fc` 3d -> d over [embedding; feature; residual[step]] and the step embeddings
+  `residual` [R, d] (older files: `adaptive_embedding`); on Qwen2.5-VL the authors' rule of dropping the vision
+  markers with the media and of keeping the text tokens' original positions.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ if TYPE_CHECKING:
     from mmspec_ray.targets.base import VLMTarget
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-LAYOUTS = ("mmspec", "eagle3-safeailab", "eagle3-specforge", "eagle-safeailab")
+LAYOUTS = ("mmspec", "eagle3-safeailab", "eagle3-specforge", "eagle-safeailab", "msd-authors", "hivis-authors")
 
 
 @dataclass
@@ -94,7 +100,12 @@ def recognise(path: str | Path) -> ReleasedDrafter:
         return ReleasedDrafter(path, layout, "eagle3", config, name, shapes)
     if "layers.0.self_attn.q_proj.weight" in shapes and "fc.weight" in shapes:
         d = config.get("hidden_size")
-        if shapes["fc.weight"] == (d, 2 * d):
+        steps = "residual" in shapes or "adaptive_embedding" in shapes
+        if steps and shapes["fc.weight"] == (d, 3 * d):
+            return ReleasedDrafter(path, "hivis-authors", "hivis", config, name, shapes)
+        if shapes["fc.weight"] == (d, 2 * d) and not steps:
+            if config.get("model_type") in ("llava", "qwen2_vl"):
+                return ReleasedDrafter(path, "msd-authors", "msd", config, name, shapes)
             return ReleasedDrafter(path, "eagle-safeailab", "eagle2", config, name, shapes)
     keys = sorted(shapes)[:8]
     raise ValueError(f"drafter {path}: unknown checkpoint layout (architectures {archs}, weight names {keys} ...); "
@@ -188,21 +199,43 @@ def load_released(r: ReleasedDrafter, target: "VLMTarget"):
             mapped["d2t"], mapped["t2d"] = head.d2t, head.t2d
         _load_exactly(head, mapped, r)
         return Eagle3Drafter(head, target)
-    from mmspec_ray.drafters.eagle import Eagle2Config, Eagle2Drafter, Eagle2Head
+    return load_eagle_lineage(r, target, state)
+
+
+def load_eagle_lineage(r: ReleasedDrafter, target: "VLMTarget", state: dict[str, torch.Tensor]):
+    """EAGLE-1/2, MSD and HiViS heads (SafeAILab's `cnets1.py` lineage): `fc`, `layers.0.*`, the target's LM head."""
+    from mmspec_ray.drafters.base import drafter_class
 
     c = r.config
     heads, kv = _heads(c)
-    cfg = Eagle2Config(hidden_size=int(c["hidden_size"]), num_heads=heads, num_kv_heads=kv,
-                       intermediate_size=int(c["intermediate_size"]), rope_theta=float(c.get("rope_theta") or 10000.0),
-                       rms_eps=float(c.get("rms_norm_eps", 1e-6)), qkv_bias="qkv_bias" in c,
-                       target_vocab_size=int(c.get("vocab_size", target.vocab_size)))
-    head = Eagle2Head(cfg)
-    mapped = {"fc.weight": state["fc.weight"],
-              "fc.bias": state.get("fc.bias", torch.zeros(cfg.hidden_size, dtype=state["fc.weight"].dtype)),
+    d = int(c["hidden_size"])
+    cls = drafter_class(r.method)
+    extra: dict[str, Any] = {}
+    if r.method == "msd":
+        extra["media_norm"] = False  # the authors feed the projector's output as it is
+    steps = state.get("residual", state.get("adaptive_embedding"))
+    if r.method == "hivis":
+        qwen = "qwen" in str(c.get("model_type", "")).lower() or any("Qwen" in a for a in c.get("architectures") or [])
+        extra.update(seq_steps=int(steps.shape[0]), drop_vision_markers=qwen, original_positions=qwen)
+    cfg = cls.head_class.config_class(
+        hidden_size=d, num_heads=heads, num_kv_heads=kv, intermediate_size=int(c["intermediate_size"]),
+        rope_theta=float(c.get("rope_theta") or 10000.0), rms_eps=float(c.get("rms_norm_eps", 1e-6)),
+        qkv_bias=bool(c.get("qkv_bias")) or "layers.0.self_attn.q_proj.bias" in state,
+        input_norm="layers.0.input_layernorm.weight" in state, target_vocab_size=int(c.get("vocab_size",
+                                                                                           target.vocab_size)),
+        **extra)
+    head = cls.head_class(cfg)
+    fc = state["fc.weight"]
+    mapped = {"fc.weight": fc[:, :2 * d], "fc.bias": state.get("fc.bias", torch.zeros(d, dtype=fc.dtype)),
               "layer.post_norm.weight": state["layers.0.post_attention_layernorm.weight"]}
+    if cfg.input_norm:
+        mapped["layer.input_norm.weight"] = state["layers.0.input_layernorm.weight"]
     mapped.update({f"layer.{_layer_name(k)}": state[f"layers.0.{k}"] for k in LAYER_KEYS if f"layers.0.{k}" in state})
+    if r.method == "hivis":  # fc([e; h; residual[i]]) = fc_2d([e; h]) + W_3 residual[i]: our step embeddings
+        mapped["seq_embed"] = steps.float() @ fc[:, 2 * d:].float().T
+        mapped["seq_rows"] = torch.tensor(steps.shape[0])
     _load_exactly(head, mapped, r)
-    return Eagle2Drafter(head, target)
+    return cls(head, target)
 
 
 def _load_exactly(head: torch.nn.Module, mapped: dict[str, torch.Tensor], r: ReleasedDrafter) -> None:
