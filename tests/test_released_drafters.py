@@ -387,14 +387,89 @@ def write_hivis(path: Path, target, seed: int = 0, steps: int = 3) -> dict:
     return s
 
 
-@pytest.mark.parametrize("layout", ["msd-llava", "msd-qwen2_vl", "hivis"])
+def write_vispec(path: Path, target, seed: int = 0, num_q: int = 2) -> dict:
+    """A ViSpec head as KangJialiang/ViSpec saves it: embed_tokens, fc [d, 2d] + bias, img_fc [d, 2d] + bias over
+    [hidden; global image vector], the adaptor `imadpt` (q [num_q, H, hd], k/v/o projections; k/v biases and
+    q/k/v biases in layer 0 on Qwen, whose config sets qkv_bias), layers.0; Qwen config: rope_theta 1e6, MHA."""
+    qwen = target.config.model_type == "qwen2_5_vl"
+    s = lineage_tensors(target, seed, 2)
+    dm = dims(target)
+    d, H = dm["d"], dm["H"]
+    g = torch.Generator().manual_seed(seed + 2)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * 0.3
+
+    s.update({"img_fc.weight": torch.cat([torch.eye(d), torch.zeros(d, d)], 1) + w(d, 2 * d), "img_fc.bias": w(d),
+              "imadpt.q": w(num_q, H, d // H), "imadpt.k_proj.weight": w(d, d), "imadpt.v_proj.weight": w(d, d),
+              "imadpt.o_proj.weight": w(d, d)})
+    if qwen:
+        s.update({"imadpt.k_proj.bias": w(d), "imadpt.v_proj.bias": w(d)})
+        s.update({f"layers.0.self_attn.{p}_proj.bias": w(s[f"layers.0.self_attn.{p}_proj.weight"].shape[0])
+                  for p in "qkv"})
+    cfg = lineage_config(target, qkv_bias=True, rope_theta=1000000.0, model_type="qwen2_5_vl") if qwen else \
+        lineage_config(target, rms_norm_eps=1e-6)
+    path.mkdir(parents=True, exist_ok=True)
+    torch.save(s, path / "pytorch_model.bin")
+    (path / "config.json").write_text(json.dumps(cfg))
+    return s
+
+
+def test_vispec_first_draft_matches_a_reference_forward_of_the_authors_wiring(target, tmp_path):
+    """Per image: the adaptor's num_q queries cross-attend its token embeddings (no RoPE); the first num_q - 1
+    outputs replace the image's entries at the span's last positions, the last is the global vector g; text
+    entries: fc([embedding; img_fc([hidden; g])]), g = 0 before the image; text keeps its original positions."""
+    s = write_vispec(tmp_path / "h", target, seed=13)
+    drafter = load_drafter(str(tmp_path / "h"), target)
+    dm = dims(target)
+    d, H = dm["d"], dm["H"]
+    hd = d // H
+    theta = 1e6 if target.config.model_type == "qwen2_5_vl" else 1e4
+    with torch.inference_mode():
+        pre = target.prefill(target.encode(image_request(6)))
+        root = int(pre.logits[0, -1].argmax())
+        nxt = torch.cat([pre.inputs_embeds[0, 1:], target.embed_tokens(torch.tensor([root]))]).float()
+        feats = pre.hidden[0].float()
+        media = torch.nonzero(pre.media_mask[0]).flatten()
+        a, b = int(media[0]), int(media[-1]) + 1
+        span = nxt[a - 1:b - 1]  # entries a-1 .. b-2 hold the embeddings of media tokens a .. b-1
+
+        def lin(x, key):
+            return x @ s[f"{key}.weight"].T + s.get(f"{key}.bias", 0)
+
+        k = lin(span, "imadpt.k_proj").view(-1, H, hd).transpose(0, 1)
+        v = lin(span, "imadpt.v_proj").view(-1, H, hd).transpose(0, 1)
+        q = s["imadpt.q"].transpose(0, 1)
+        o = lin((torch.softmax(q @ k.transpose(-1, -2) / hd ** 0.5, -1) @ v).transpose(0, 1).reshape(-1, d),
+                "imadpt.o_proj")
+        comp, glob = o[:-1], o[-1]
+        n = nxt.shape[0]
+        g = torch.zeros(n, d)
+        g[b - 1:] = glob
+        text = lin(torch.cat([nxt, lin(torch.cat([feats, g], -1), "img_fc")], -1), "fc")
+        keep = torch.ones(n, dtype=torch.bool)
+        keep[a - 1:b - 1] = False
+        nc = comp.shape[0]
+        x = torch.cat([text[:a - 1], comp, text[b - 1:]])
+        pos = torch.cat([torch.arange(a - 1), torch.arange(b - 1 - nc, b - 1), torch.arange(b - 1, n)])
+        out = reference_layer(s, "layers.0.", x, x, dm, theta=theta, positions=pos)
+        want = torch.log_softmax(target.lm_head(out[-1:]).float(), -1)[0]
+        drafter.begin(target, pre, root)
+        got = drafter.logprobs(drafter.last)[0]
+    assert drafter.head.cfg.compressed == 1 and media.numel() == b - a
+    assert torch.allclose(got, want, rtol=1e-4, atol=2e-4), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("layout", ["msd-llava", "msd-qwen2_vl", "hivis", "vispec"])
 def test_vision_drafters_in_their_authors_layouts_decode_losslessly(target, layout, tmp_path):
     path = tmp_path / layout
     if layout == "hivis":
         write_hivis(path, target)
+    elif layout == "vispec":
+        write_vispec(path, target)
     else:
         write_msd(path, target, layout.split("-")[1])
-    assert recognise(path).layout == ("hivis-authors" if layout == "hivis" else "msd-authors")
+    assert recognise(path).layout == f"{layout.split('-')[0]}-authors"
     drafter = load_drafter(str(path), target)
     for req in (image_request(), Request(prompt="what is there")):
         ar = AREngine(target).generate(req, max_new_tokens=24)

@@ -14,6 +14,8 @@ vocabulary and feature layers, each refused by name. Recognised layouts:
 - `msd-authors`: MSD heads (Lyn-Lucy/MSD): EAGLE-1's keys, a config whose `model_type` is `llava` or `qwen2_vl`
   (Qwen2-VL heads: an input norm and q/k/v biases); media entries take the raw projected embeddings (no
   normalisation).
+- `vispec-authors`: ViSpec heads (KangJialiang/ViSpec): EAGLE-1's keys plus `img_fc` and the vision adaptor
+  `imadpt.*` (num_q = n_c + 1 queries, read from `imadpt.q`); media rows enter the adaptor as they are.
 - `hivis-authors`: HiViS heads: `fc` 3d -> d over [embedding; feature; residual[step]] and the step embeddings
   `residual` [R, d] (older files: `adaptive_embedding`); on Qwen2.5-VL the authors' rule of dropping the vision
   markers with the media and of keeping the text tokens' original positions.
@@ -32,7 +34,8 @@ if TYPE_CHECKING:
     from mmspec_ray.targets.base import VLMTarget
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-LAYOUTS = ("mmspec", "eagle3-safeailab", "eagle3-specforge", "eagle-safeailab", "msd-authors", "hivis-authors")
+LAYOUTS = ("mmspec", "eagle3-safeailab", "eagle3-specforge", "eagle-safeailab", "msd-authors", "vispec-authors",
+           "hivis-authors")
 
 
 @dataclass
@@ -101,6 +104,8 @@ def recognise(path: str | Path) -> ReleasedDrafter:
     if "layers.0.self_attn.q_proj.weight" in shapes and "fc.weight" in shapes:
         d = config.get("hidden_size")
         steps = "residual" in shapes or "adaptive_embedding" in shapes
+        if "imadpt.q" in shapes and "img_fc.weight" in shapes:
+            return ReleasedDrafter(path, "vispec-authors", "vispec", config, name, shapes)
         if steps and shapes["fc.weight"] == (d, 3 * d):
             return ReleasedDrafter(path, "hivis-authors", "hivis", config, name, shapes)
         if shapes["fc.weight"] == (d, 2 * d) and not steps:
@@ -211,8 +216,10 @@ def load_eagle_lineage(r: ReleasedDrafter, target: "VLMTarget", state: dict[str,
     d = int(c["hidden_size"])
     cls = drafter_class(r.method)
     extra: dict[str, Any] = {}
-    if r.method == "msd":
+    if r.method in ("msd", "vispec"):
         extra["media_norm"] = False  # the authors feed the projector's output as it is
+    if r.method == "vispec":
+        extra.update(compressed=int(state["imadpt.q"].shape[0]) - 1, adaptor_bias="imadpt.k_proj.bias" in state)
     steps = state.get("residual", state.get("adaptive_embedding"))
     if r.method == "hivis":
         qwen = "qwen" in str(c.get("model_type", "")).lower() or any("Qwen" in a for a in c.get("architectures") or [])
@@ -231,6 +238,11 @@ def load_eagle_lineage(r: ReleasedDrafter, target: "VLMTarget", state: dict[str,
     if cfg.input_norm:
         mapped["layer.input_norm.weight"] = state["layers.0.input_layernorm.weight"]
     mapped.update({f"layer.{_layer_name(k)}": state[f"layers.0.{k}"] for k in LAYER_KEYS if f"layers.0.{k}" in state})
+    if r.method == "vispec":
+        mapped.update({"img_fc.weight": state["img_fc.weight"], "img_fc.bias": state["img_fc.bias"],
+                       "adaptor.queries": state["imadpt.q"]})
+        mapped.update({f"adaptor.{k}": v for k, v in ((k[len("imadpt."):], v) for k, v in state.items()
+                                                        if k.startswith("imadpt.") and k != "imadpt.q")})
     if r.method == "hivis":  # fc([e; h; residual[i]]) = fc_2d([e; h]) + W_3 residual[i]: our step embeddings
         mapped["seq_embed"] = steps.float() @ fc[:, 2 * d:].float().T
         mapped["seq_rows"] = torch.tensor(steps.shape[0])

@@ -46,6 +46,7 @@ class ViSpecConfig(Eagle2Config):
     # |g| x lr per weight, and training diverges. New heads set it (for_target); a config saved without the field
     # loads as it was trained (False).
     media_norm: bool = False
+    adaptor_bias: bool = False  # the adaptor's k / v projections with a bias (the authors' heads of Qwen targets)
 
     @classmethod
     def for_target(cls, target: "VLMTarget") -> "ViSpecConfig":
@@ -56,12 +57,12 @@ class VisionAdaptor(nn.Module):
     """One multi-head cross-attention from learnable queries onto a piece's media embeddings, then o_proj: no MLP,
     norm, residual or positional encoding (spec §2.2, confirmed by the paper's parameter counts)."""
 
-    def __init__(self, dim: int, heads: int, queries: int, media_norm: bool = False) -> None:
+    def __init__(self, dim: int, heads: int, queries: int, media_norm: bool = False, bias: bool = False) -> None:
         super().__init__()
         self.heads, self.head_dim, self.media_norm = heads, dim // heads, media_norm
         self.queries = nn.Parameter(torch.randn(queries, heads, self.head_dim) * self.head_dim ** -0.5)
-        self.k_proj = nn.Linear(dim, dim, bias=False)
-        self.v_proj = nn.Linear(dim, dim, bias=False)
+        self.k_proj = nn.Linear(dim, dim, bias=bias)
+        self.v_proj = nn.Linear(dim, dim, bias=bias)
         self.o_proj = nn.Linear(dim, dim, bias=False)
 
     def forward(self, media: torch.Tensor) -> torch.Tensor:
@@ -104,7 +105,7 @@ class ViSpecHead(Eagle2Head):
         if cfg.compressed < 1:
             raise ValueError(f"compressed (n_c) must be >= 1, got {cfg.compressed}")
         d = cfg.hidden_size
-        self.adaptor = VisionAdaptor(d, cfg.num_heads, cfg.compressed + 1, cfg.media_norm)
+        self.adaptor = VisionAdaptor(d, cfg.num_heads, cfg.compressed + 1, cfg.media_norm, cfg.adaptor_bias)
         self.img_fc = nn.Linear(2 * d, d, bias=True)
         with torch.no_grad():  # [I | 0], bias 0: starts as f_aug = f (authors' code)
             self.img_fc.weight.zero_()
