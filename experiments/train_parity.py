@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """Ray Train against the single-process trainer on the same features, epochs, batch size and LR (docs/training.md):
-trains eagle2 drafters for a toy target from its train-split requests, over seeds, for each (trainer, workers,
-length-bucketing span) cell, and prints the held-out τ table. A cell whose drafter already exists is read back,
-not retrained, so the table can be re-printed.
+trains drafters of one method (eagle2 by default) for a toy target from its train-split requests, over seeds, for
+each (trainer, workers, length-bucketing span) cell, and prints the held-out τ table. A cell whose drafter already
+exists is read back, not retrained, so the table can be re-printed.
 
     python experiments/train_parity.py --target toy-s --out /tmp/cmp --seeds 0 1 2 3
+    python experiments/train_parity.py --method eagle3 --cells 3,4 --target toy-s --out /tmp/cmp3 --seeds 0 1
 """
 
 from __future__ import annotations
@@ -32,17 +33,20 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--requests", type=int, default=600)
     p.add_argument("--heldout", type=int, default=24)
+    p.add_argument("--method", default="eagle2")
+    p.add_argument("--cells", default="0,1,2,3,4", help="which rows of the table to run (indices into CELLS)")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO)
     out = Path(a.out)
     data = toy_data(a.target, a.requests)
     rows = []
-    for label, workers, bucket, prefix in CELLS:
+    for label, workers, bucket, prefix in [CELLS[int(i)] for i in a.cells.split(",")]:
         taus = []
         for seed in a.seeds:
             d = out / f"{prefix}{seed}"
             if not (d / "history.json").exists():
-                run_train_job(TrainJob(target=resolve_target(a.target), data=data, out=str(d), work=str(out / "work"),
+                run_train_job(TrainJob(method=a.method, target=resolve_target(a.target), data=data, out=str(d),
+                                       work=str(out / "work"),
                                        heldout=a.heldout, num_workers=workers, cpus_per_worker=0.5,
                                        train={"epochs": 8, "batch_size": 16, "lr": 2e-3, "seed": seed,
                                               "bucket_batches": bucket},
