@@ -460,13 +460,85 @@ def test_vispec_first_draft_matches_a_reference_forward_of_the_authors_wiring(ta
     assert torch.allclose(got, want, rtol=1e-4, atol=2e-4), (got - want).abs().max()
 
 
-@pytest.mark.parametrize("layout", ["msd-llava", "msd-qwen2_vl", "hivis", "vispec"])
+def write_dream(path: Path, target, seed: int = 0, std: float = 0.3) -> dict:
+    """A DREAM head as SAI-Lab-NYU/DREAM saves it (pytorch_model.bin, no embed_tokens / fc / lm_head): layers.0 a
+    self-attention block without an input norm, layers.1 the cross-attention block (cross_attn.{q,k,v,o}_proj,
+    per-head q_norm / k_norm, scalar tanh gates), layers.2 a self-attention block, the final norm."""
+    g = torch.Generator().manual_seed(seed)
+    dm = dims(target)
+    d, H, KV, I = dm["d"], dm["H"], dm["KV"], dm["I"]
+    hd = d // H
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * std
+
+    s = {"norm.weight": 1 + w(d), "layers.1.cross_attn_attn_gate": w(1) + 0.8, "layers.1.cross_attn_mlp_gate": w(1) + 0.8,
+         "layers.1.input_layernorm.weight": 1 + w(d), "layers.1.cross_attn.q_norm.weight": 1 + w(hd),
+         "layers.1.cross_attn.k_norm.weight": 1 + w(hd), "layers.1.post_attention_layernorm.weight": 1 + w(d),
+         "layers.1.cross_attn.q_proj.weight": w(H * hd, d), "layers.1.cross_attn.k_proj.weight": w(KV * hd, d),
+         "layers.1.cross_attn.v_proj.weight": w(KV * hd, d), "layers.1.cross_attn.o_proj.weight": w(d, H * hd),
+         "layers.2.input_layernorm.weight": 1 + w(d)}
+    for layer in ("layers.0", "layers.2"):
+        s.update({f"{layer}.self_attn.q_proj.weight": w(H * hd, d), f"{layer}.self_attn.k_proj.weight": w(KV * hd, d),
+                  f"{layer}.self_attn.v_proj.weight": w(KV * hd, d), f"{layer}.self_attn.o_proj.weight": w(d, H * hd),
+                  f"{layer}.post_attention_layernorm.weight": 1 + w(d)})
+    for layer in ("layers.0", "layers.1", "layers.2"):
+        s.update({f"{layer}.mlp.gate_proj.weight": w(I, d), f"{layer}.mlp.up_proj.weight": w(I, d),
+                  f"{layer}.mlp.down_proj.weight": w(d, I)})
+    path.mkdir(parents=True, exist_ok=True)
+    torch.save(s, path / "pytorch_model.bin")
+    (path / "config.json").write_text(json.dumps(lineage_config(target, image_token_id=32000, dropout=0.0)))
+    return s
+
+
+def test_dream_first_draft_matches_a_reference_forward_of_the_authors_wiring(target, tmp_path):
+    """A text prompt: the stream is the prompt's token embeddings, unshifted, then the root; layers.0 (no input
+    norm); the cross-attention block, the query at original position p reading the target's last post-norm
+    features at positions < p (the first query: none), q / k per-head RMS-normed, no RoPE, tanh-gated attention and
+    MLP; layers.2; the final norm; the target's LM head."""
+    s = write_dream(tmp_path / "h", target, seed=17)
+    drafter = load_drafter(str(tmp_path / "h"), target)
+    dm = dims(target)
+    d, H, KV = dm["d"], dm["H"], dm["KV"]
+    hd = d // H
+    with torch.inference_mode():
+        pre = target.prefill(target.encode(Request(prompt="what is there")))
+        root = int(pre.logits[0, -1].argmax())
+        x = torch.cat([pre.inputs_embeds[0], target.embed_tokens(torch.tensor([root]))]).float()
+        feats = pre.hidden[0].float()
+        n = x.shape[0]
+        e1 = reference_layer(s, "layers.0.", x, x, dm)
+        q = rms((rms(e1, s["layers.1.input_layernorm.weight"]) @ s["layers.1.cross_attn.q_proj.weight"].T)
+                .view(n, H, hd), s["layers.1.cross_attn.q_norm.weight"]).transpose(0, 1)
+        k = rms((feats @ s["layers.1.cross_attn.k_proj.weight"].T).view(-1, KV, hd),
+                s["layers.1.cross_attn.k_norm.weight"]).transpose(0, 1).repeat_interleave(H // KV, 0)
+        v = (feats @ s["layers.1.cross_attn.v_proj.weight"].T).view(-1, KV, hd).transpose(0, 1).repeat_interleave(
+            H // KV, 0)
+        seen = torch.arange(feats.shape[0])[None] < torch.arange(n)[:, None]  # position p sees features < p
+        att = torch.softmax((q @ k.transpose(-1, -2)) / hd ** 0.5 + torch.where(seen, 0.0, float("-inf")), -1)
+        att = torch.nan_to_num(att) @ v  # the first query sees no feature: no attention output
+        c = e1 + torch.tanh(s["layers.1.cross_attn_attn_gate"]) * (
+            att.transpose(0, 1).reshape(n, -1) @ s["layers.1.cross_attn.o_proj.weight"].T)
+        hn = rms(c, s["layers.1.post_attention_layernorm.weight"])
+        c = c + torch.tanh(s["layers.1.cross_attn_mlp_gate"]) * (
+            (F.silu(hn @ s["layers.1.mlp.gate_proj.weight"].T) * (hn @ s["layers.1.mlp.up_proj.weight"].T))
+            @ s["layers.1.mlp.down_proj.weight"].T)
+        out = reference_layer(s, "layers.2.", rms(c, s["layers.2.input_layernorm.weight"]), c, dm)
+        want = torch.log_softmax(target.lm_head(rms(out[-1:], s["norm.weight"])).float(), -1)[0]
+        drafter.begin(target, pre, root)
+        got = torch.log_softmax(target.lm_head(drafter.last).float(), -1)[0]
+    assert torch.allclose(got, want, rtol=1e-4, atol=2e-4), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("layout", ["msd-llava", "msd-qwen2_vl", "hivis", "vispec", "dream"])
 def test_vision_drafters_in_their_authors_layouts_decode_losslessly(target, layout, tmp_path):
     path = tmp_path / layout
     if layout == "hivis":
         write_hivis(path, target)
     elif layout == "vispec":
         write_vispec(path, target)
+    elif layout == "dream":
+        write_dream(path, target)
     else:
         write_msd(path, target, layout.split("-")[1])
     assert recognise(path).layout == f"{layout.split('-')[0]}-authors"

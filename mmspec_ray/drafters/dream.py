@@ -49,6 +49,9 @@ class DreamConfig(Eagle2Config):
     # zero gradient and on the toy schedule the gates never open, so the block goes unused; 1.0 (tanh 0.76) trains
     # it from the first step (docs/drafters/dream.md, "Opening the gates").
     gate_init: float = 1.0
+    # the zero "null" memory slot: True (heads trained here), every query may attend it; False (the authors'
+    # released heads, trained without one): only a query that sees no target feature (the prompt's first) reads it
+    null_slot: bool = True
 
 
 def compress_visual(media: torch.Tensor, scores: torch.Tensor, keep: float) -> torch.Tensor:
@@ -208,6 +211,7 @@ class DreamDrafter(Eagle2Drafter):
             n_prev, levels, mask, new = tree.add(parents)
             seen = new[:, :n_prev]  # strict ancestors among expanded
             cross = torch.cat([torch.ones((tokens.shape[0], M + 1), dtype=torch.bool, device=dev), seen], 1)
+            cross[:, 0] = self.head.cfg.null_slot  # (every tree node sees the root's features)
             n_mem = M + 1 + n_prev
             pos = torch.tensor([[S - 1 + lv for lv in levels]], device=dev)
             out, _, _ = self.head(self._embed(tokens.tolist())[None], pos, mask[None, None],
@@ -251,6 +255,8 @@ class DreamDrafter(Eagle2Drafter):
         self._reserve(S + T)
         mask = extend_mask(S, T, dev)
         cross = torch.arange(self.mem_len, device=dev)[None] <= orig.to(dev)[:, None]
+        if not self.head.cfg.null_slot:
+            cross[:, 0] = orig.to(dev) == 0
         pos = torch.arange(S, S + T, device=dev)[None]
         out, _, _ = self.head(embeds[None], pos, mask, self.mem[0][:, :, :self.mem_len],
                               self.mem[1][:, :, :self.mem_len], cross[None, None], (self.kv, self.kv3), S)

@@ -16,6 +16,9 @@ vocabulary and feature layers, each refused by name. Recognised layouts:
   normalisation).
 - `vispec-authors`: ViSpec heads (KangJialiang/ViSpec): EAGLE-1's keys plus `img_fc` and the vision adaptor
   `imadpt.*` (num_q = n_c + 1 queries, read from `imadpt.q`); media rows enter the adaptor as they are.
+- `dream-authors`: DREAM heads (SAI-Lab-NYU/DREAM): three layers (`layers.1` the cross-attention block with
+  `cross_attn.{q,k}_norm` and tanh gates), `norm`; no fc, no embeddings, no LM head (the target's); trained without
+  our zero memory slot, so it is read only where a query sees no target feature.
 - `hivis-authors`: HiViS heads: `fc` 3d -> d over [embedding; feature; residual[step]] and the step embeddings
   `residual` [R, d] (older files: `adaptive_embedding`); on Qwen2.5-VL the authors' rule of dropping the vision
   markers with the media and of keeping the text tokens' original positions.
@@ -35,7 +38,7 @@ if TYPE_CHECKING:
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 LAYOUTS = ("mmspec", "eagle3-safeailab", "eagle3-specforge", "eagle-safeailab", "msd-authors", "vispec-authors",
-           "hivis-authors")
+           "hivis-authors", "dream-authors")
 
 
 @dataclass
@@ -101,6 +104,8 @@ def recognise(path: str | Path) -> ReleasedDrafter:
     if "midlayer.self_attn.q_proj.weight" in shapes and "fc.weight" in shapes:
         layout = "eagle3-specforge" if any("Eagle3" in a for a in archs) else "eagle3-safeailab"
         return ReleasedDrafter(path, layout, "eagle3", config, name, shapes)
+    if "layers.1.cross_attn.q_proj.weight" in shapes and "norm.weight" in shapes:
+        return ReleasedDrafter(path, "dream-authors", "dream", config, name, shapes)
     if "layers.0.self_attn.q_proj.weight" in shapes and "fc.weight" in shapes:
         d = config.get("hidden_size")
         steps = "residual" in shapes or "adaptive_embedding" in shapes
@@ -204,7 +209,44 @@ def load_released(r: ReleasedDrafter, target: "VLMTarget"):
             mapped["d2t"], mapped["t2d"] = head.d2t, head.t2d
         _load_exactly(head, mapped, r)
         return Eagle3Drafter(head, target)
+    if r.method == "dream":
+        return load_dream(r, target, state)
     return load_eagle_lineage(r, target, state)
+
+
+DREAM_KEYS = {  # the authors' DREAM keys -> DreamHead's (layers.0 / 2: self-attention blocks, layers.1: cross)
+    "layers.1.input_layernorm.weight": "cross.input_norm.weight", "layers.1.cross_attn.q_norm.weight":
+    "cross.q_norm.weight", "layers.1.cross_attn.k_norm.weight": "cross.k_norm.weight",
+    "layers.1.cross_attn_attn_gate": "cross.attn_gate", "layers.1.cross_attn_mlp_gate": "cross.mlp_gate",
+    "layers.1.post_attention_layernorm.weight": "cross.post_norm.weight", "norm.weight": "norm.weight",
+    "layers.0.post_attention_layernorm.weight": "block1.post_norm.weight",
+    "layers.2.input_layernorm.weight": "block3.input_norm.weight",
+    "layers.2.post_attention_layernorm.weight": "block3.post_norm.weight",
+}
+
+
+def load_dream(r: ReleasedDrafter, target: "VLMTarget", state: dict[str, torch.Tensor]):
+    """A DREAM head as the authors save it, onto DreamHead (null memory slot off: they trained without one)."""
+    from mmspec_ray.drafters.dream import DreamConfig, DreamDrafter, DreamHead
+
+    c = r.config
+    heads, kv = _heads(c)
+    cfg = DreamConfig(hidden_size=int(c["hidden_size"]), num_heads=heads, num_kv_heads=kv,
+                      intermediate_size=int(c["intermediate_size"]), rope_theta=float(c.get("rope_theta") or 10000.0),
+                      rms_eps=float(c.get("rms_norm_eps", 1e-6)), target_vocab_size=int(c.get("vocab_size",
+                                                                                              target.vocab_size)),
+                      null_slot=False)
+    head = DreamHead(cfg)
+    mapped = {DREAM_KEYS[k]: v for k, v in state.items() if k in DREAM_KEYS}
+    for layer, ours in (("layers.0", "block1"), ("layers.2", "block3")):
+        mapped.update({f"{ours}.{_layer_name(k)}": state[f"{layer}.{k}"] for k in LAYER_KEYS
+                       if f"{layer}.{k}" in state})
+    for p in "qkvo":
+        mapped[f"cross.{p}_proj.weight"] = state[f"layers.1.cross_attn.{p}_proj.weight"]
+    for p in ("gate", "up", "down"):
+        mapped[f"cross.{p}_proj.weight"] = state[f"layers.1.mlp.{p}_proj.weight"]
+    _load_exactly(head, mapped, r)
+    return DreamDrafter(head, target)
 
 
 def load_eagle_lineage(r: ReleasedDrafter, target: "VLMTarget", state: dict[str, torch.Tensor]):
