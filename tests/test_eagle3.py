@@ -32,20 +32,22 @@ def image_requests(n: int, offset: int = 0) -> list[Request]:
 
 
 def test_datagen_stores_the_three_layers_the_drafter_reads():
-    target = wrap(*tiny_llava(init=0.3))
+    """On an 8-layer target: hs[2], hs[4], hs[5] (the input of those decoder layers), low-mid-high, in bfloat16."""
+    target = wrap(*tiny_llava(init=0.3, layers=8))
     from mmspec_ray.training.datagen import featurize
 
     req = image_requests(1)[0]
     ex = featurize(target, req, [5, 6, 7], DatagenRecipe(aux_features=True, dtype="float32"))
-    layers = default_feature_layers(target.text_config.num_hidden_layers)
+    assert default_feature_layers(target.text_config.num_hidden_layers) == [2, 4, 5]
     inputs = target.encode(req)
     ids = torch.cat([inputs["input_ids"], torch.tensor([[5, 6, 7]])], 1)
     with torch.inference_mode():
         hs = target.model(**{**inputs, "input_ids": ids, "attention_mask": torch.ones_like(ids)},
                           output_hidden_states=True).hidden_states
-    want = torch.cat([hs[k][0] for k in layers], -1)
-    assert ex.aux.shape == (ids.shape[1], 3 * target.hidden_size)
-    torch.testing.assert_close(ex.aux, want, atol=1e-5, rtol=1e-4)
+    want = torch.cat([hs[k][0] for k in (2, 4, 5)], -1)
+    assert ex.aux.dtype == torch.bfloat16 and ex.aux.shape == (ids.shape[1], 3 * target.hidden_size)
+    torch.testing.assert_close(ex.aux.float(), want.bfloat16().float(), atol=1e-2, rtol=1e-2)
+    assert not torch.allclose(hs[2][0], hs[4][0])  # the three layers differ: their order is checked
     assert target.feature_layers == ()  # featurize asked for them for its forward only
 
 

@@ -66,7 +66,7 @@ def eagle3_tensors(dm: dict, vd: int, seed: int, std: float = 0.3,
 
 
 def write_eagle3(path: Path, target, layout: str, vd: int, seed: int = 0, aux: list[int] | None = None,
-                 used: torch.Tensor | None = None) -> dict:
+                 used: torch.Tensor | None = None, rope_theta: float | None = None) -> dict:
     """A head in `layout` ('safeailab': pytorch_model.bin, fp16, the traineagle3 config template with no rope_theta;
     'specforge': model.safetensors, architectures LlamaForCausalLMEagle3, bf16)."""
     dm = dims(target)
@@ -75,13 +75,16 @@ def write_eagle3(path: Path, target, layout: str, vd: int, seed: int = 0, aux: l
            "num_key_value_heads": dm["KV"], "num_hidden_layers": 1, "vocab_size": dm["V"], "draft_vocab_size": vd,
            "rms_norm_eps": 1e-6, "model_type": "llama", "hidden_act": "silu", "max_position_embeddings": 2048}
     path.mkdir(parents=True, exist_ok=True)
+    if rope_theta is not None:
+        cfg["rope_theta"] = rope_theta
     if layout == "safeailab":
         cfg.update(architectures=["LlamaForCausalLM"], torch_dtype="float16")
         half = {k: v.half() if v.is_floating_point() else v for k, v in state.items()}
         torch.save(half, path / "pytorch_model.bin")
     else:
-        cfg.update(architectures=["LlamaForCausalLMEagle3"], torch_dtype="bfloat16", rope_theta=10000.0,
+        cfg.update(architectures=["LlamaForCausalLMEagle3"], torch_dtype="bfloat16",
                    target_model_type=target.config.model_type)
+        cfg.setdefault("rope_theta", 10000.0)
         if aux is not None:
             cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux}
         bf = {k: v.bfloat16() if v.is_floating_point() else v for k, v in state.items()}
@@ -190,35 +193,55 @@ def prompt_states(target, req: Request):
     return inputs["input_ids"][0], [h[0].float() for h in out.hidden_states], int(out.logits[0, -1].argmax())
 
 
-def test_eagle3_first_draft_matches_a_reference_forward_of_the_published_wiring(target, tmp_path):
-    """Features hs[2], hs[L//2], hs[L-3] (input of those layers), low-mid-high; token x_{j+1} paired with h_j;
-    media positions carry their placeholder's token embedding; [input_layernorm(embedding), hidden_norm(fc(h))];
-    residual = fc(h); RoPE base 10000; lm_head(norm(out)) over the draft vocabulary; target id = i + d2t[i]."""
-    state = write_eagle3(tmp_path / "h", target, "safeailab", vd=target.vocab_size // 2, seed=5)
-    s = {k: v.half().float() if v.is_floating_point() else v for k, v in state.items()}  # what the file holds
-    drafter = load_drafter(str(tmp_path / "h"), target)
+def check_eagle3_reference(target, path: Path, state: dict, layers: list[int], theta: float) -> None:
+    """The loaded head's first draft distribution equals an independent forward of the published wiring: features
+    hs[low], hs[mid], hs[high] (HF hidden_states: the input of those layers) concatenated in that order, token x_{j+1}
+    paired with h_j, media positions carrying their placeholder's token embedding, [input_layernorm(embedding);
+    hidden_norm(fc(h))], residual = fc(h), RoPE at `theta`, lm_head(norm(out)) over the draft vocabulary, target
+    id = i + d2t[i]."""
+    s = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+    drafter = load_drafter(str(path), target)
+    assert drafter.layers == layers
     dm = dims(target)
     req = image_request(7)
     ids, hs, root = prompt_states(target, req)
-    L = dm["L"]
-    layers = [min(max(k, 1), L - 1) for k in (2, L // 2, L - 3)]
     feats = torch.cat([hs[k] for k in layers], -1)
     tokens = torch.cat([ids[1:], torch.tensor([root])])
     emb = target.model.get_input_embeddings()(tokens).float().detach()
-    h = feats @ s["fc.weight"].float().T
-    x = torch.cat([rms(emb, s["midlayer.input_layernorm.weight"].float()),
-                   rms(h, s["midlayer.hidden_norm.weight"].float())], -1)
-    out = reference_layer(s, "midlayer.", x, h, dm)
-    logits = rms(out[-1], s["norm.weight"].float()) @ s["lm_head.weight"].float().T
-    want = torch.log_softmax(logits, -1)
+    h = feats @ s["fc.weight"].T
+    x = torch.cat([rms(emb, s["midlayer.input_layernorm.weight"]), rms(h, s["midlayer.hidden_norm.weight"])], -1)
+    out = reference_layer(s, "midlayer.", x, h, dm, theta=theta)
+    want = torch.log_softmax(rms(out[-1], s["norm.weight"]) @ s["lm_head.weight"].T, -1)
     target_ids = torch.arange(len(s["d2t"])) + s["d2t"]
-
     with torch.inference_mode():
         pre = target.prefill(target.encode(req))
         drafter.begin(target, pre, root)
         got = drafter.logprobs(drafter.last)[0]
     assert torch.allclose(got[target_ids], want, atol=2e-4), (got[target_ids] - want).abs().max()
-    assert torch.isinf(got[~s["t2d"]]).all()  # ids outside the draft vocabulary are never proposed
+    assert torch.isinf(got[~s["t2d"]]).all()  # ids outside the draft vocabulary get probability 0
+
+
+def test_eagle3_first_draft_matches_a_reference_forward_of_the_published_wiring(target, tmp_path):
+    state = write_eagle3(tmp_path / "h", target, "safeailab", vd=target.vocab_size // 2, seed=5)
+    state = {k: v.half().float() if v.is_floating_point() else v for k, v in state.items()}  # the file is fp16
+    check_eagle3_reference(target, tmp_path / "h", state, [1, 1, 1], 10000.0)
+
+
+@pytest.mark.parametrize("layout", ["safeailab", "specforge"])
+def test_eagle3_reads_the_low_mid_high_layers_at_its_layouts_rope_base(layout, tmp_path):
+    """An 8-layer target: the default features are hs[2], hs[4], hs[5]; SpecForge's explicit aux ids [0, 5, 6] are
+    layer outputs (hs[1], hs[6], hs[7]). SafeAILab's training ignored rope_theta (base 10000 whatever the config
+    says); SpecForge's runs at its config's rope_theta (here 1e6)."""
+    torch.manual_seed(0)
+    target = wrap(*tiny_llava(init=0.3, layers=8))
+    aux = [0, 5, 6] if layout == "specforge" else None
+    state = write_eagle3(tmp_path / "h", target, layout, vd=target.vocab_size // 2, seed=21, aux=aux,
+                         rope_theta=1e6)
+    state = {k: (v.half() if layout == "safeailab" else v.bfloat16()).float() if v.is_floating_point() else v
+             for k, v in state.items()}
+    layers, theta = ([1, 6, 7], 1e6) if layout == "specforge" else ([2, 4, 5], 10000.0)
+    check_eagle3_reference(target, tmp_path / "h", state, layers, theta)
+    assert recognise(tmp_path / "h").describe()["rope_theta"] == theta
 
 
 def test_eagle1_first_draft_matches_a_reference_forward_of_the_published_wiring(target, tmp_path):
@@ -254,21 +277,42 @@ def test_specforge_aux_layer_ids_are_layer_outputs(tmp_path):
 
 def test_heads_for_another_target_and_unknown_layouts_are_refused(tmp_path):
     llava = wrap(*tiny_llava())
-    qwen = wrap(*tiny_qwen2_5_vl())
     write_eagle3(tmp_path / "e3", llava, "safeailab", vd=100)
-    write_eagle1(tmp_path / "e1", llava)
-    if qwen.vocab_size != llava.vocab_size:
-        with pytest.raises(ValueError, match=r"built for another target: .*vocabulary"):
-            load_drafter(str(tmp_path / "e3"), qwen)
-        with pytest.raises(ValueError, match=r"embed_tokens"):
-            load_drafter(str(tmp_path / "e1"), qwen)
     cfg = json.loads((tmp_path / "e3" / "config.json").read_text())
-    (tmp_path / "e3" / "config.json").write_text(json.dumps({**cfg, "hidden_size": 32}))
-    with pytest.raises(ValueError, match=r"hidden size 32 .* the target's 64"):
-        load_drafter(str(tmp_path / "e3"), llava)
-    (tmp_path / "e3" / "config.json").write_text(json.dumps({**cfg, "fc_norm": True}))
-    with pytest.raises(ValueError, match=r"EAGLE-3.1 options"):
-        load_drafter(str(tmp_path / "e3"), llava)
+    state = torch.load(tmp_path / "e3" / "pytorch_model.bin")
+
+    def refused(pattern: str, config: dict | None = None, weights: dict | None = None, name: str = "x") -> None:
+        d = tmp_path / name
+        d.mkdir(exist_ok=True)
+        (d / "config.json").write_text(json.dumps(config or cfg))
+        torch.save(weights if weights is not None else state, d / "pytorch_model.bin")
+        with pytest.raises(ValueError, match=pattern):
+            load_drafter(str(d), llava)
+
+    refused(r"built for another target: .*vocabulary 301 vs the target's 300", {**cfg, "vocab_size": 301})
+    refused(r"hidden size 32 .* the target's 64", {**cfg, "hidden_size": 32})
+    refused(r"EAGLE-3.1 options", {**cfg, "fc_norm": True})
+    refused(r"num_hidden_layers 2", {**cfg, "num_hidden_layers": 2})
+    refused(r"rope_scaling .* not supported", {**cfg, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    refused(r"config.json lacks \['intermediate_size'\]", {k: v for k, v in cfg.items() if k != "intermediate_size"})
+    refused(r"weights \['midlayer.self_attn.o_proj.bias'\] belong to a variant",
+            weights={**state, "midlayer.self_attn.o_proj.bias": torch.zeros(64)})
+    refused(r"weights \['layers.1.mlp.up_proj.weight'\] belong to a variant",
+            weights={**state, "layers.1.mlp.up_proj.weight": torch.zeros(8, 64)})
+    bad = state["d2t"].clone()
+    bad[-1] += 400  # a target id past the vocabulary
+    refused(r"d2t maps draft ids to target ids that are not strictly increasing", weights={**state, "d2t": bad})
+    t2d = state["t2d"].clone()
+    t2d[int((~t2d).nonzero()[0])] = True  # one id more than d2t maps to
+    refused(r"t2d does not mark exactly", weights={**state, "t2d": t2d})
+    e1 = write_eagle1(tmp_path / "e1", llava)
+    refused(r"embed_tokens \[301, 64\]", json.loads((tmp_path / "e1" / "config.json").read_text()),
+            {**e1, "embed_tokens.weight": torch.zeros(301, 64)}, name="e1x")
+    write_eagle3(tmp_path / "amb", llava, "specforge", vd=100, aux=[0, 0, 0])
+    c = json.loads((tmp_path / "amb" / "config.json").read_text())
+    (tmp_path / "amb" / "config.json").write_text(json.dumps({**c, "architectures": ["Eagle3LlamaForCausalLM"]}))
+    with pytest.raises(ValueError, match="ambiguous"):
+        load_drafter(str(tmp_path / "amb"), llava)
     (tmp_path / "odd").mkdir()
     save_file({"encoder.weight": torch.zeros(2, 2)}, str(tmp_path / "odd" / "model.safetensors"))
     (tmp_path / "odd" / "config.json").write_text(json.dumps({"architectures": ["Medusa"]}))
@@ -286,7 +330,8 @@ def test_inspect_names_the_layout_and_whether_it_fits(tmp_path, capsys, monkeypa
     out = capsys.readouterr().out
     assert "layout: eagle3-specforge" in out and "method: eagle3" in out and "draft_vocab_size: 50" in out
     assert cli_main(["drafter", "inspect", str(tmp_path / "e3"), "--target", str(tmp_path / "target")]) == 0
-    assert "fits" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"fits {tmp_path / 'target'}: yes" in out and "rope_theta: 10000.0" in out and "media_embeds: token" in out
     cfg = json.loads((tmp_path / "e3" / "config.json").read_text())
     (tmp_path / "e3" / "config.json").write_text(json.dumps({**cfg, "vocab_size": cfg["vocab_size"] + 1}))
     assert cli_main(["drafter", "inspect", str(tmp_path / "e3"), "--target", str(tmp_path / "target")]) == 1

@@ -175,6 +175,12 @@ def test_train_drafter_for_a_saved_checkpoint_from_s3_on_ray_data_and_ray_train(
         hist_m = res["history"]["history"]  # (a two-stage epoch has min(text, multimodal) = 2 items here: a worker
         assert all(h["workers"] == 2 for h in hist_m) and any(h["steps"] for h in hist_m), (method, hist_m)  # may get none)
         trained[method] = res
+    # EAGLE-3's draft vocabulary: counted on the driver over every shard's answers, carried in the head config
+    from mmspec_ray.drafters.eagle3 import frequent_tokens
+
+    e3 = json.loads(s3_server.client.get_object(Bucket=bucket, Key="drafters/eagle3/config.json")["Body"].read())
+    answers = [ex.input_ids[ex.n_prompt:] for ex in store.load_all()]
+    assert e3["draft_vocab_size"] == 64 and e3["draft_tokens"] == frequent_tokens(answers, e3["target_vocab_size"], 64)
     assert [h["multimodal_share"] for h in trained["msd"]["history"]["history"]] == [0.0, 1.0]
     assert [h["multimodal_share"] for h in trained["vispec"]["history"]["history"]] == [0.0, 1.0, 1.0]
     init = json.loads(s3_server.client.get_object(Bucket=bucket, Key="work/init/selection.json")["Body"].read())

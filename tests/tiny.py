@@ -81,10 +81,10 @@ class VideoProcessorTypeCheck:
         return super().check_argument_for_proper_class(argument_name, argument)
 
 
-def tiny_llava(seed: int = 0, init: float = 0.5):
-    """(model, processor) for a 2-layer LLaVA with a 96px, 9-patch CLIP tower."""
+def tiny_llava(seed: int = 0, init: float = 0.5, layers: int = 2):
+    """(model, processor) for a LLaVA of `layers` text layers (2 by default) with a 96px, 9-patch CLIP tower."""
     size = dataclasses.replace(TOY_SIZES["toy-s"], vision_hidden=32, vision_layers=1, text_hidden=64,
-                               text_layers=2, text_heads=4, text_kv_heads=2)
+                               text_layers=layers, text_heads=4, text_kv_heads=2)
     tok = tiny_tokenizer()
     torch.manual_seed(seed)
     model = build_model(size, tok)

@@ -299,7 +299,7 @@ def drafter_costs(target: VLMTarget, methods: tuple[str, ...], kinds: tuple[str,
                   repeats: int) -> dict[str, Any]:
     """Per drafter head (random weights at the target's size): parameters, its prefill (`begin`) on each media
     request, and one propose of `tree` (ms, drafter forwards) after it."""
-    from mmspec_ray.drafters.base import drafter_class
+    from mmspec_ray.drafters.base import drafter_class, target_features
 
     dev = target.device
     prompts: dict[str, Any] = {}
@@ -318,7 +318,7 @@ def drafter_costs(target: VLMTarget, methods: tuple[str, ...], kinds: tuple[str,
             pre = target.prefill(inputs, logits_to_keep=getattr(d, "prefill_logits", 1),
                                  attention=bool(getattr(d, "prefill_attention", False)))
             root = int(pre.logits[0, -1].argmax())
-            last = pre.hidden[0, -1:]
+            last = target_features(d, pre)[0, -1:]
             d.begin(target, pre, root)  # warm-up
             begin_s, _ = timed(lambda: d.begin(target, pre, root), dev)
             d.propose(root, tree)

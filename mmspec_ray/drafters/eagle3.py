@@ -134,6 +134,7 @@ class Eagle3Drafter(Eagle2Drafter):
         self.layers = check_layers(head.cfg, target)
         target.feature_layers = tuple(sorted(set(target.feature_layers) | set(self.layers)))
         self.ids = self.head.target_ids().to(target.device)
+        self.identity = self.head.lm_head.weight.shape[0] == target.vocab_size and bool((self.head.d2t == 0).all())
 
     def features(self, out: "TargetOutput") -> torch.Tensor:
         """[1, n, 3d]: hs[low], hs[mid], hs[high] concatenated."""
@@ -149,7 +150,7 @@ class Eagle3Drafter(Eagle2Drafter):
     def logprobs(self, out: torch.Tensor) -> torch.Tensor:
         """[n, V]: the draft vocabulary's log-probabilities at their target ids, -inf at every other id."""
         lp = torch.log_softmax(self.head.logits(out).float(), -1)
-        if lp.shape[-1] == self.target.vocab_size and bool((self.head.d2t == 0).all()):
+        if self.identity:
             return lp
         full = lp.new_full((lp.shape[0], self.target.vocab_size), float("-inf"))
         full[:, self.ids] = lp

@@ -58,9 +58,19 @@ class ReleasedDrafter:
         out: dict[str, Any] = {"layout": self.layout, "method": self.method, "weights": self.weights,
                                "hidden_size": c.get("hidden_size"),
                                "vocab_size": c.get("vocab_size", c.get("target_vocab_size"))}
+        if self.layout == "mmspec":
+            out["vocab_size"] = c.get("target_vocab_size")
         if self.method == "eagle3":
-            out["draft_vocab_size"] = c.get("draft_vocab_size", out["vocab_size"])
-            out["feature_layers"] = aux_layers(self) or "default (2, L//2, L-3)"
+            out["draft_vocab_size"] = c.get("draft_vocab_size") or out["vocab_size"]
+            layers = c.get("feature_layers") if self.layout == "mmspec" else aux_layers(self)
+            out["feature_layers"] = layers or "default (2, L//2, L-3)"
+            out["media_embeds"] = c.get("media_embeds", "merged") if self.layout == "mmspec" else "token"
+        if self.layout == "eagle3-safeailab":
+            out["rope_theta"] = 10000.0
+        elif self.layout != "mmspec":
+            out["rope_theta"] = float(c.get("rope_theta") or 10000.0)
+        else:
+            out["rope_theta"] = c.get("rope_theta")
         return out
 
 
@@ -102,24 +112,50 @@ def recognise(path: str | Path) -> ReleasedDrafter:
     shapes = read_shapes(path, name)
     archs = config.get("architectures") or []
     if "midlayer.self_attn.q_proj.weight" in shapes and "fc.weight" in shapes:
-        layout = "eagle3-specforge" if any("Eagle3" in a for a in archs) else "eagle3-safeailab"
-        return ReleasedDrafter(path, layout, "eagle3", config, name, shapes)
+        layout = "eagle3-specforge" if "LlamaForCausalLMEagle3" in archs else "eagle3-safeailab"
+        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        if ids and layout == "eagle3-safeailab" and any("Eagle3" in a for a in archs):
+            raise ValueError(f"drafter {path}: architectures {archs} with eagle_aux_hidden_state_layer_ids {ids}: "
+                             "whether the ids are layer inputs or outputs depends on the producer (SpecForge's "
+                             "LlamaForCausalLMEagle3: outputs); refused as ambiguous")
+        return _checked(ReleasedDrafter(path, layout, "eagle3", config, name, shapes))
     if "layers.1.cross_attn.q_proj.weight" in shapes and "norm.weight" in shapes:
-        return ReleasedDrafter(path, "dream-authors", "dream", config, name, shapes)
+        return _checked(ReleasedDrafter(path, "dream-authors", "dream", config, name, shapes))
     if "layers.0.self_attn.q_proj.weight" in shapes and "fc.weight" in shapes:
         d = config.get("hidden_size")
         steps = "residual" in shapes or "adaptive_embedding" in shapes
         if "imadpt.q" in shapes and "img_fc.weight" in shapes:
-            return ReleasedDrafter(path, "vispec-authors", "vispec", config, name, shapes)
+            return _checked(ReleasedDrafter(path, "vispec-authors", "vispec", config, name, shapes))
         if steps and shapes["fc.weight"] == (d, 3 * d):
-            return ReleasedDrafter(path, "hivis-authors", "hivis", config, name, shapes)
+            return _checked(ReleasedDrafter(path, "hivis-authors", "hivis", config, name, shapes))
         if shapes["fc.weight"] == (d, 2 * d) and not steps:
             if config.get("model_type") in ("llava", "qwen2_vl"):
-                return ReleasedDrafter(path, "msd-authors", "msd", config, name, shapes)
-            return ReleasedDrafter(path, "eagle-safeailab", "eagle2", config, name, shapes)
+                return _checked(ReleasedDrafter(path, "msd-authors", "msd", config, name, shapes))
+            return _checked(ReleasedDrafter(path, "eagle-safeailab", "eagle2", config, name, shapes))
     keys = sorted(shapes)[:8]
     raise ValueError(f"drafter {path}: unknown checkpoint layout (architectures {archs}, weight names {keys} ...); "
                      f"layouts known: {', '.join(LAYOUTS)}")
+
+
+REQUIRED = ("hidden_size", "num_attention_heads", "intermediate_size")
+ROPE_KINDS = (None, "default", "mrope")  # rope_scaling types these heads run as written (mrope: 1-D positions)
+
+
+def _checked(r: ReleasedDrafter) -> ReleasedDrafter:
+    """Refuse, by name, a config this loader cannot honour: a missing size field, more than one decoder layer
+    (DREAM's three are fixed by its code, whatever its config says), a RoPE scaling it does not apply."""
+    c = r.config
+    missing = [k for k in REQUIRED if k not in c]
+    if missing:
+        raise ValueError(f"drafter {r.path} ({r.layout}): config.json lacks {missing}")
+    if r.method != "dream" and int(c.get("num_hidden_layers", 1)) != 1:
+        raise ValueError(f"drafter {r.path} ({r.layout}): num_hidden_layers {c['num_hidden_layers']}; only "
+                         "one-layer heads are supported")
+    scaling = c.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in ROPE_KINDS:
+        raise ValueError(f"drafter {r.path} ({r.layout}): rope_scaling {scaling} is not supported")
+    return r
 
 
 def aux_layers(r: ReleasedDrafter) -> list[int]:
@@ -196,18 +232,29 @@ def load_released(r: ReleasedDrafter, target: "VLMTarget"):
         cfg = eagle3_config(r, target)
         check_layers(cfg, target)
         head = Eagle3Head(cfg)
-        mapped = {EAGLE3_KEYS[k]: v for k, v in state.items() if k in EAGLE3_KEYS}
-        mapped.update({f"layer.{_layer_name(k[len('midlayer.'):])}": state[k] for k in
-                       (f"midlayer.{k}" for k in LAYER_KEYS) if k in state})
-        if cfg.draft_vocab_size != cfg.target_vocab_size:
+        m = Taken(state)
+        for src, ours in EAGLE3_KEYS.items():
+            m.take(ours, src)
+        for k in LAYER_KEYS:
+            m.take(f"layer.{_layer_name(k)}", f"midlayer.{k}")
+        if cfg.draft_vocab_size != cfg.target_vocab_size or "d2t" in state:
             if "d2t" not in state:
                 raise ValueError(f"drafter {r.path}: draft vocabulary {cfg.draft_vocab_size} < the target's "
                                  f"{cfg.target_vocab_size} but no d2t map is saved")
-            mapped["d2t"] = state["d2t"].long()
-            mapped["t2d"] = state["t2d"].bool() if "t2d" in state else head.t2d
+            m.put("d2t", state["d2t"].long(), "d2t")
+            ids = torch.arange(cfg.draft_vocab_size) + state["d2t"].long()
+            if not (bool((ids[1:] > ids[:-1]).all()) and int(ids[0]) >= 0 and int(ids[-1]) < cfg.target_vocab_size):
+                raise ValueError(f"drafter {r.path}: d2t maps draft ids to target ids that are not strictly "
+                                 f"increasing within the vocabulary of {cfg.target_vocab_size}")
+            t2d = torch.zeros(cfg.target_vocab_size, dtype=torch.bool)
+            t2d[ids] = True
+            if "t2d" in state and not torch.equal(state["t2d"].bool(), t2d):
+                raise ValueError(f"drafter {r.path}: t2d does not mark exactly the target ids d2t maps to")
+            m.put("t2d", t2d)
         else:  # no reduced vocabulary: the identity (SafeAILab deletes the buffers, vLLM zero-initialises d2t)
-            mapped["d2t"], mapped["t2d"] = head.d2t, head.t2d
-        _load_exactly(head, mapped, r)
+            m.put("d2t", head.d2t)
+            m.put("t2d", head.t2d)
+        _load_exactly(head, m, r)
         return Eagle3Drafter(head, target)
     if r.method == "dream":
         return load_dream(r, target, state)
@@ -237,15 +284,17 @@ def load_dream(r: ReleasedDrafter, target: "VLMTarget", state: dict[str, torch.T
                                                                                               target.vocab_size)),
                       null_slot=False)
     head = DreamHead(cfg)
-    mapped = {DREAM_KEYS[k]: v for k, v in state.items() if k in DREAM_KEYS}
+    m = Taken(state)
+    for src, ours in DREAM_KEYS.items():
+        m.take(ours, src)
     for layer, ours in (("layers.0", "block1"), ("layers.2", "block3")):
-        mapped.update({f"{ours}.{_layer_name(k)}": state[f"{layer}.{k}"] for k in LAYER_KEYS
-                       if f"{layer}.{k}" in state})
+        for k in LAYER_KEYS:
+            m.take(f"{ours}.{_layer_name(k)}", f"{layer}.{k}")
     for p in "qkvo":
-        mapped[f"cross.{p}_proj.weight"] = state[f"layers.1.cross_attn.{p}_proj.weight"]
+        m.take(f"cross.{p}_proj.weight", f"layers.1.cross_attn.{p}_proj.weight")
     for p in ("gate", "up", "down"):
-        mapped[f"cross.{p}_proj.weight"] = state[f"layers.1.mlp.{p}_proj.weight"]
-    _load_exactly(head, mapped, r)
+        m.take(f"cross.{p}_proj.weight", f"layers.1.mlp.{p}_proj.weight")
+    _load_exactly(head, m, r)
     return DreamDrafter(head, target)
 
 
@@ -275,26 +324,58 @@ def load_eagle_lineage(r: ReleasedDrafter, target: "VLMTarget", state: dict[str,
         **extra)
     head = cls.head_class(cfg)
     fc = state["fc.weight"]
-    mapped = {"fc.weight": fc[:, :2 * d], "fc.bias": state.get("fc.bias", torch.zeros(d, dtype=fc.dtype)),
-              "layer.post_norm.weight": state["layers.0.post_attention_layernorm.weight"]}
-    if cfg.input_norm:
-        mapped["layer.input_norm.weight"] = state["layers.0.input_layernorm.weight"]
-    mapped.update({f"layer.{_layer_name(k)}": state[f"layers.0.{k}"] for k in LAYER_KEYS if f"layers.0.{k}" in state})
+    m = Taken(state)
+    m.put("fc.weight", fc[:, :2 * d], "fc.weight")
+    m.put("fc.bias", state.get("fc.bias", torch.zeros(d, dtype=fc.dtype)), "fc.bias")
+    m.take("layer.post_norm.weight", "layers.0.post_attention_layernorm.weight")
+    m.take("layer.input_norm.weight", "layers.0.input_layernorm.weight")
+    for k in LAYER_KEYS:
+        m.take(f"layer.{_layer_name(k)}", f"layers.0.{k}")
     if r.method == "vispec":
-        mapped.update({"img_fc.weight": state["img_fc.weight"], "img_fc.bias": state["img_fc.bias"],
-                       "adaptor.queries": state["imadpt.q"]})
-        mapped.update({f"adaptor.{k}": v for k, v in ((k[len("imadpt."):], v) for k, v in state.items()
-                                                        if k.startswith("imadpt.") and k != "imadpt.q")})
+        for k in ("img_fc.weight", "img_fc.bias"):
+            m.take(k, k)
+        m.take("adaptor.queries", "imadpt.q")
+        for k in ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias", "o_proj.weight"):
+            m.take(f"adaptor.{k}", f"imadpt.{k}")
     if r.method == "hivis":  # fc([e; h; residual[i]]) = fc_2d([e; h]) + W_3 residual[i]: our step embeddings
-        mapped["seq_embed"] = steps.float() @ fc[:, 2 * d:].float().T
-        mapped["seq_rows"] = torch.tensor(steps.shape[0])
-    _load_exactly(head, mapped, r)
+        key = "residual" if "residual" in state else "adaptive_embedding"
+        m.put("seq_embed", steps.float() @ fc[:, 2 * d:].float().T, key)
+        m.put("seq_rows", torch.tensor(steps.shape[0]))
+    _load_exactly(head, m, r)
     return cls(head, target)
 
 
-def _load_exactly(head: torch.nn.Module, mapped: dict[str, torch.Tensor], r: ReleasedDrafter) -> None:
-    """Load every parameter of `head` from `mapped`, refusing a missing key or a shape that differs, by name."""
+IGNORED = {"embed_tokens.weight", "t2d"}  # the target's embeddings (shape-checked); t2d (checked against d2t)
+
+
+class Taken:
+    """Our head's tensors gathered from a released state dict, each with the file's keys it came from."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self.state = state
+        self.mapped: dict[str, torch.Tensor] = {}
+        self.sources: dict[str, tuple[str, ...]] = {}
+
+    def take(self, ours: str, src: str) -> None:
+        """Our `ours` is the file's `src`, where the file has it."""
+        if src in self.state:
+            self.put(ours, self.state[src], src)
+
+    def put(self, ours: str, value: torch.Tensor, *sources: str) -> None:
+        """Our `ours` is `value`, derived from the file's `sources` (none: a default)."""
+        self.mapped[ours], self.sources[ours] = value, sources
+
+
+def _load_exactly(head: torch.nn.Module, m: Taken, r: ReleasedDrafter) -> None:
+    """Load every parameter of `head` from `m`, refusing, by name, a missing key, a shape that differs, or a
+    weight of the file that nothing reads (a variant this loader does not implement: its output would be lost)."""
     own = head.state_dict()
+    mapped = m.mapped
+    used = {s for k in own if k in m.sources for s in m.sources[k]}
+    unused = sorted(set(m.state) - used - IGNORED)
+    if unused:
+        raise ValueError(f"drafter {r.path} ({r.layout}): weights {unused} belong to a variant this loader does not "
+                         "implement")
     missing = sorted(set(own) - set(mapped))
     if missing:
         raise ValueError(f"drafter {r.path} ({r.layout}): weights missing for {missing}")

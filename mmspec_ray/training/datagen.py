@@ -89,7 +89,8 @@ def featurize(target: VLMTarget, request: Request, answer: list[int], recipe: Da
         mid = intermediate_features({i: e[0] for i, e in out.attention_entropy.items()},
                                     {i: out.layers[i + 1][0] for i in layers})[0].to(dt).cpu()
     segments = None if out.media_segments is None else out.media_segments[0].to(torch.int32).cpu()
-    aux = torch.cat([out.layers[k][0] for k in aux_layers], -1).to(dt).cpu() if aux_layers else None
+    # un-normed residual-stream states can exceed float16's range on large targets: stored in bfloat16
+    aux = torch.cat([out.layers[k][0] for k in aux_layers], -1).to(torch.bfloat16).cpu() if aux_layers else None
     return FeatureExample(out.input_ids[0].cpu(), out.hidden[0].to(dt).cpu(), out.inputs_embeds[0].to(dt).cpu(),
                           n_prompt, out.media_mask[0].cpu(), mid, segments, aux)
 

@@ -469,11 +469,25 @@ def chain_alive(hits: list[torch.Tensor]) -> list[torch.Tensor]:
     return alive
 
 
+def draft_targets(tgt: torch.Tensor, lm_head_weight: torch.Tensor, ids: torch.Tensor, t2d: torch.Tensor,
+                  chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From target features tgt [B, T, d]: (the target's next-token distribution renormalised over the draft
+    vocabulary [B, T, Vd]; its argmax there [B, T]; whether the target's top token over the whole vocabulary is a
+    draft token [B, T], as SafeAILab and SpecForge mask). Full-vocabulary logits are made `chunk` rows at a time."""
+    flat = tgt.reshape(-1, tgt.shape[-1]).float()
+    W, Wd = lm_head_weight.float(), lm_head_weight.float()[ids]
+    p = torch.softmax(flat @ Wd.T, -1)
+    top = torch.cat([(flat[i:i + chunk] @ W.T).argmax(-1) for i in range(0, flat.shape[0], chunk)])
+    shape = tgt.shape[:-1]
+    return p.view(*shape, -1), p.argmax(-1).view(shape), t2d.to(top.device)[top].view(shape)
+
+
 class Eagle3Method(TrainingMethod):
     """EAGLE-3: three target layers fused by fc; no feature regression, only the token distribution: soft
     cross-entropy against the target's next-token distribution over the draft vocabulary, at each of `ttt_steps`
-    unrolled steps on the drafter's own outputs (training-time test), step i weighted `step_decay`^i. The draft
-    vocabulary: the whole target vocabulary up to `draft_vocab_size` ids, else the most frequent answer tokens.
+    unrolled steps on the drafter's own outputs (training-time test), step i weighted `step_decay`^i; positions
+    whose target token lies outside the draft vocabulary carry no loss. The draft vocabulary: the whole target
+    vocabulary up to `draft_vocab_size` ids, else the most frequent answer tokens.
     No feature noise (the unrolled steps train on the drafter's own, noisier, features instead)."""
 
     name = "eagle3"
@@ -517,12 +531,11 @@ class Eagle3Method(TrainingMethod):
         outs = multi_step_forward(head, batch["emb"], batch["feat"], batch["valid"], self.ttt_steps,
                                   run=lambda emb, feats, f, pos, mask, kv, at: head(emb, feats, pos, mask, kv, at))
         with torch.no_grad():
-            p = torch.softmax((tgt.float() @ lm_head_weight.float().T)[..., head.target_ids()], -1)
-            y = p.argmax(-1)
+            p, y, inside = draft_targets(tgt, lm_head_weight, head.target_ids(), head.t2d)
         total = torch.zeros((), device=tgt.device)
         parts: dict[str, float] = {}
-        for f, out in enumerate(outs):
-            m = (batch["loss_mask"] & (torch.arange(T, device=tgt.device) >= f)[None]).float()
+        for f, out in enumerate(outs):  # a position whose target token lies outside the draft vocabulary: no loss
+            m = (batch["loss_mask"] & inside & (torch.arange(T, device=tgt.device) >= f)[None]).float()
             logq = torch.log_softmax(head.logits(out).float(), -1)
             step = (-(p * logq).sum(-1) * m).sum() / m.sum().clamp_min(1.0)
             total = total + self.step_decay ** f * step

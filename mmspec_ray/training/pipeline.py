@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyarrow as pa
+import torch
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -30,7 +31,7 @@ from mmspec_ray.training.datagen import DatagenRecipe
 from mmspec_ray.training.datagen_job import DatagenJob, run_datagen
 from mmspec_ray.training.distributed import HEAD_INIT_FILE, SELECTION_FILE, DistributedConfig, HeadInit, fit
 from mmspec_ray.training.methods import training_method
-from mmspec_ray.training.shards import ShardStore
+from mmspec_ray.training.shards import FeatureExample, ShardStore
 from mmspec_ray.training.trainer import TrainConfig, heldout_tau, stage_schedule, train_drafter
 
 if TYPE_CHECKING:
@@ -263,6 +264,12 @@ def train_single_process(job: TrainJob, features: str, held: list[str]) -> list[
     return json.loads((run / "history.json").read_text())
 
 
+def ids_only(ex: FeatureExample) -> FeatureExample:
+    """An example stripped to its token ids and prompt length (what a head fitted to the data's tokens reads)."""
+    empty = torch.zeros(0)
+    return FeatureExample(ex.input_ids, empty, empty, ex.n_prompt)
+
+
 def with_method_features(job: TrainJob, m) -> TrainJob:
     """The job with the features its method needs switched on in the data recipe (DREAM's intermediate layer,
     EAGLE-3's three layers); a recipe that asks for more keeps it."""
@@ -278,8 +285,9 @@ def prepare_head_init(job: TrainJob) -> HeadInit:
     target = load_job_target(job)
     s3 = job.decode_config().s3
     examples = None
-    if m.head_needs_examples(target):  # e.g. EAGLE-3's draft vocabulary from the answers' token counts
-        examples = ShardStore(job.work_dir.rstrip("/") + "/features", s3).load_all()
+    if m.head_needs_examples(target):  # e.g. EAGLE-3's draft vocabulary from the answers' token counts: the ids
+        store = ShardStore(job.work_dir.rstrip("/") + "/features", s3)  # only, a shard at a time
+        examples = [ids_only(ex) for name in store.manifest()["shards"] for ex in store.load_shard(name)]
     init = write_head_init(m, target, job.work_dir.rstrip("/") + "/init", s3, examples).model_copy(
         update={"method_options": job.method_options})
     if not m.selects:
