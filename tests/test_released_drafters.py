@@ -93,29 +93,14 @@ def write_eagle3(path: Path, target, layout: str, vd: int, seed: int = 0, aux: l
     return state
 
 
-def write_eagle1(path: Path, target, seed: int = 0, std: float = 0.3) -> dict:
+def write_eagle1(path: Path, target, seed: int = 0) -> dict:
     """A SafeAILab EAGLE-1/2 head (cnets1.py `Model`): embed_tokens (the target's, copied), fc 2d -> d with a bias,
     layers.0 without an input norm; pytorch_model.bin; config with `bias: true` and no rope_theta."""
-    g = torch.Generator().manual_seed(seed)
-    dm = dims(target)
-    d, H, KV, I = dm["d"], dm["H"], dm["KV"], dm["I"]
-    hd = d // H
-
-    def w(*shape):
-        return torch.randn(*shape, generator=g) * std
-
-    state = {"embed_tokens.weight": target.model.get_input_embeddings().weight.detach().clone(),
-             "fc.weight": w(d, 2 * d), "fc.bias": w(d),
-             "layers.0.self_attn.q_proj.weight": w(H * hd, d), "layers.0.self_attn.k_proj.weight": w(KV * hd, d),
-             "layers.0.self_attn.v_proj.weight": w(KV * hd, d), "layers.0.self_attn.o_proj.weight": w(d, H * hd),
-             "layers.0.mlp.gate_proj.weight": w(I, d), "layers.0.mlp.up_proj.weight": w(I, d),
-             "layers.0.mlp.down_proj.weight": w(d, I), "layers.0.post_attention_layernorm.weight": 1 + w(d)}
+    state = lineage_tensors(target, seed, 2)
     path.mkdir(parents=True, exist_ok=True)
     torch.save(state, path / "pytorch_model.bin")
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "bias": True, "hidden_size": d, "intermediate_size": I,
-        "num_attention_heads": H, "num_key_value_heads": KV, "num_hidden_layers": 1, "vocab_size": dm["V"],
-        "rms_norm_eps": 1e-6, "model_type": "llama", "torch_dtype": "float32"}))
+    (path / "config.json").write_text(json.dumps(lineage_config(target, architectures=["LlamaForCausalLM"],
+                                                                model_type="llama", torch_dtype="float32")))
     return state
 
 

@@ -30,6 +30,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 from transformers.video_processing_utils import VideoProcessorMixin
 from transformers.video_utils import make_batched_metadata, make_batched_videos
 
+from mmspec_ray.bench.scale_models import QWEN_TEMPLATE
 from tiny import VideoProcessorTypeCheck, mute_eos, tiny_corpus
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -41,19 +42,7 @@ PIXELS = {"shortest_edge": 32 * 32, "longest_edge": 48 * 48}  # a 96 px square b
 
 # Qwen-style ChatML: an image part renders as <|vision_start|><|image_pad|><|vision_end|> (the processor expands the
 # pad to one token per merged patch), a video part likewise with <|video_pad|>.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['content'] is string -%}{{- message['content'] -}}"
-    "{%- else -%}{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'image' -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
-    "{%- elif part['type'] == 'video' -%}{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
-    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
+CHAT_TEMPLATE = QWEN_TEMPLATE
 
 
 @lru_cache(maxsize=1)
