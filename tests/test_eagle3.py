@@ -181,3 +181,10 @@ def test_a_trained_head_written_in_the_released_layout_proposes_the_same_trees(t
                 trees.append(d.propose(root, tree_cfg))
         assert trees[0].tokens.tolist() == trees[1].tokens.tolist()
         assert trees[0].parents.tolist() == trees[1].parents.tolist()
+
+
+def test_features_without_the_three_layers_are_refused_by_name(tmp_path):
+    target = wrap(*tiny_llava(init=0.3))
+    plain = load_features(generate_features(target, image_requests(2), DatagenRecipe(max_new_tokens=6), tmp_path / "f"))
+    with pytest.raises(ValueError, match=r"eagle3 training needs \['aux'\]"):
+        train_drafter(Eagle3Method(), target, plain, tmp_path / "d", TrainConfig(epochs=1))
