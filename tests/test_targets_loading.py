@@ -25,6 +25,7 @@ from tiny import random_images, tiny_llava, tiny_tokenizer
 STAND_IN = {
     "llava_onevision": ("LlavaOnevisionProcessor", "LlavaOnevisionVideoProcessor"),
     "qwen2_5_vl": ("Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor"),
+    "qwen2_vl": ("Qwen2VLProcessor", "Qwen2VLVideoProcessor"),
 }
 ROUND_TRIP = [f for f in FAMILIES if f not in STAND_IN]
 NEW_TOKENS = 16
