@@ -86,13 +86,6 @@ def text_keep(prefill: "TargetOutput", markers: bool = False) -> torch.Tensor:
     return keep
 
 
-def text_entries(prefill: "TargetOutput") -> tuple[torch.Tensor, torch.Tensor]:
-    """(input embeddings [l, d], target features [l, d]) of the prompt's text positions, in order: the media
-    positions (`media_mask`) dropped."""
-    keep = text_keep(prefill)
-    return prefill.inputs_embeds[0][keep], prefill.hidden[0][keep]
-
-
 @register_drafter("hivis")
 class HiViSDrafter(Eagle2Drafter):
     """EAGLE-2 drafting state around a HiViS head; `begin` reads the prompt's text entries only."""
