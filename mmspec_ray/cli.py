@@ -75,13 +75,18 @@ def cmd_toy_requests(a: argparse.Namespace) -> int:
 
 def resolve_drafter(drafter: str | None, target: str) -> str | None:
     """A drafter checkpoint directory, a training-free method name, a trained method name on a toy target
-    (e.g. `--target toy-s --drafter eagle2`: the toy world's drafter, trained on first use), or `auto`."""
+    (e.g. `--target toy-s --drafter eagle2`: the toy world's drafter, trained on first use), `auto`, or
+    `draft-model:PATH` (a smaller checkpoint of the target's family; PATH may name a toy world, e.g. toy-s)."""
     from mmspec_ray.toy.model import TOY_SIZES
 
     if drafter == "auto":
         from mmspec_ray.toy.drafter import resolve_auto_drafter
 
         return resolve_auto_drafter(drafter, target)
+    if drafter and drafter.startswith("draft-model:"):  # a smaller sibling checkpoint; a toy name is its directory
+        from mmspec_ray.toy.resolve import resolve_target
+
+        return "draft-model:" + resolve_target(drafter.removeprefix("draft-model:"))
     if drafter in TRAINED_METHODS and target in TOY_SIZES:
         from mmspec_ray.toy.drafter import build_toy_drafter
 
@@ -124,11 +129,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
     target = load_target(path, dtype=a.dtype)
     drafter_spec = resolve_drafter(a.drafter, a.target)
     drafter = load_drafter(drafter_spec, target)
+    guard = tree is None  # the calibrated tree comes with the payoff guard; a tree given by flags is used as given
     if tree is None:  # no tree flag: the tree calibrated for this target, drafter and machine
         tree = auto_tree(target, drafter_spec or "none", recalibrate=a.recalibrate)
     images = (load_image(a.image),) if a.image else ()
     videos = (tuple(load_video(a.video, a.num_frames or video_frames_for(path)).frames),) if a.video else ()
-    engine = SpecEngine(target, drafter, tree, tie_margin=a.tie_margin)
+    engine = SpecEngine(target, drafter, tree, tie_margin=a.tie_margin, guard=guard)
     request = Request(prompt=a.prompt, images=images, videos=videos)
     g = engine.generate(request, sampling, max_new_tokens=a.max_new_tokens)
     print(g.text)
@@ -207,7 +213,8 @@ def bench_config(a: argparse.Namespace):
 
     tree = checked(TreeConfig, TREE_FLAGS, top_k=a.tree_top_k, depth=a.tree_depth, total_tokens=a.tree_tokens)
     return checked(BenchConfig, {}, prompts=a.prompts, max_new_tokens=a.max_new_tokens, repeats=a.repeats,
-                   temperatures=tuple(a.temperatures), seed=a.seed, tree=tree, peers=not a.no_peers)
+                   temperatures=tuple(a.temperatures), seed=a.seed, tree=tree, peers=not a.no_peers,
+                   payoff_guard=not a.no_payoff_guard)
 
 
 def cmd_drafter_inspect(a: argparse.Namespace) -> int:
@@ -433,6 +440,9 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="the target's dtype (as mmspec generate --dtype: auto is bfloat16 on cuda, float32 on cpu)")
     be.add_argument("--seed", type=int, default=0)
+    be.add_argument("--no-payoff-guard", action="store_true",
+                    help="run @auto drafters on their calibrated tree alone, without the payoff guard that shrinks it "
+                         "to plain steps where drafting does not pay")
     be.add_argument("--no-peers", action="store_true",
                     help="AR and the --drafter methods only (no HF peers, ngram, oracle): tree sweeps")
     be.add_argument("--out", default="out/bench")

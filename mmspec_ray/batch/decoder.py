@@ -55,7 +55,8 @@ class SpecDecoder:
         self.target = load_target(cfg.target, self.device, self.dtype, s3=cfg.s3)
         self.drafter = load_drafter(cfg.drafter, self.target, device=self.device)
         tree = auto_tree(self.target, cfg.drafter) if cfg.tree == "auto" else cfg.tree
-        self.engine = SpecEngine(self.target, self.drafter, tree, tie_margin=cfg.tie_margin)
+        guard = cfg.tree == "auto" if cfg.payoff_guard is None else cfg.payoff_guard
+        self.engine = SpecEngine(self.target, self.drafter, tree, tie_margin=cfg.tie_margin, guard=guard)
         self.progress = progress  # optional ProgressTracker actor handle
         self.ar_left = cfg.speedup_sample  # rows still to decode with AR too (the summary's measured speedup)
         self.samples: list[dict[str, Any]] = []  # those rows' timings, not yet reported

@@ -70,6 +70,9 @@ class DecodeConfig(BaseModel):
     tree: TreeConfig | Literal["auto"] = Field("auto", description=(
         "draft tree (top_k, depth, total_tokens), or auto: calibrated on this machine for this target and drafter "
         "while the first rows decode, then cached (decoding/calibrate.py)"))
+    payoff_guard: bool | None = Field(None, description=(
+        "shrink the tree per request, down to plain one-token steps, where drafting does not pay (decoding/payoff.py);"
+        " None: on with tree auto, off with a tree given explicitly"))
     tie_margin: float | None = Field(None, ge=0.0, description=(
         "half precision: relative top-2 logit gap under which a greedy token is re-decided by a one-token forward "
         "(None: the engine's per-dtype default; 0: off; docs/design.md, Precision)"))

@@ -33,6 +33,7 @@ from mmspec_ray.drafters.base import load_drafter
 from mmspec_ray.drafters.ngram import NgramDrafter
 from mmspec_ray.drafters.oracle import OracleDrafter
 from mmspec_ray.decoding.calibrate import auto_tree, device_name
+from mmspec_ray.decoding.payoff import PayoffGuard
 from mmspec_ray.decoding.engine import AREngine, SpecEngine
 from mmspec_ray.decoding.tree import TreeConfig
 from mmspec_ray.targets.base import Request, VLMTarget
@@ -49,6 +50,7 @@ class BenchConfig(BaseModel):
     prompt_lookup_tokens: int = 10
     seed: int = 0
     peers: bool = True  # False: AR and the given drafters only (tree sweeps)
+    payoff_guard: bool = True  # drafters with a calibrated tree (@auto) run under the payoff guard, as in production
 
 
 def _hf_runner(target: VLMTarget, req: Request, max_new_tokens: int, sampling: SamplingParams,
@@ -157,10 +159,12 @@ def run_bench(target: VLMTarget, requests: list[Request] | list[Workload], draft
                      "workload_info": {w.name: {"source": w.source, "prompts": len(w.requests),
                                                 "max_new_tokens": w.max_new_tokens or cfg.max_new_tokens,
                                                 "skipped": w.skipped} for w in workloads}}
-    loaded, trees = {}, {}
+    loaded, trees, guards = {}, {}, {}
     for label, spec in (drafters or {}).items():
         path, tree = split_tree(spec)
         loaded[label] = load_drafter(path, target)
+        if tree == "auto" and cfg.payoff_guard:  # one per method, kept across its requests (what it learns carries)
+            guards[label] = PayoffGuard()
         if tree == "auto":
             tree, results.setdefault("calibration", {})[label] = calibrate_tree(target, loaded[label], path,
                                                                                 requests, cfg.max_new_tokens)
@@ -185,7 +189,8 @@ def run_bench(target: VLMTarget, requests: list[Request] | list[Workload], draft
             if assistant is not None and cfg.peers:
                 methods["hf_assisted"] = _hf_runner(target, req, max_new, sampling, assistant_model=assistant)
             for label, drafter in loaded.items():
-                methods[label] = _engine_runner(SpecEngine(target, drafter, trees[label]), req, max_new, sampling)
+                methods[label] = _engine_runner(SpecEngine(target, drafter, trees[label], guard=guards.get(label, False)),
+                                                req, max_new, sampling)
             if temp == 0.0 and cfg.peers:
                 methods["oracle"] = _engine_runner(SpecEngine(target, OracleDrafter(ref.token_ids), cfg.tree), req,
                                                    max_new, sampling)

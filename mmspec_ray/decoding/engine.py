@@ -15,6 +15,7 @@ from mmspec_ray.drafters.none import NoDrafter
 from mmspec_ray.decoding.accept import accept
 from mmspec_ray.decoding.calibrate import TreeCalibrator
 from mmspec_ray.decoding.output import Generation, GenerationStats, OutputTracker
+from mmspec_ray.decoding.payoff import PLAIN, PayoffGuard, request_kind
 from mmspec_ray.decoding.processors import (HistoryProcessors, check_generation_config, effective_generation_config,
                                         resolve_sampling)
 from mmspec_ray.decoding.sampling import make_generator, pick
@@ -33,7 +34,7 @@ class SpecEngine:
     generate's defaults, penalties, stop ids), request parameters over it; refuses a config it cannot reproduce."""
 
     def __init__(self, target: VLMTarget, drafter: Drafter, tree: TreeConfig | TreeCalibrator | None = None,
-                 tie_margin: float | None = None) -> None:
+                 tie_margin: float | None = None, guard: PayoffGuard | bool = False) -> None:
         self.target = target
         self.drafter = drafter
         # a TreeCalibrator: decode with its probe tree until it has picked one (decoding/calibrate.py)
@@ -41,6 +42,9 @@ class SpecEngine:
         self.tree = self.calibrator.probe if self.calibrator else (tree or TreeConfig())
         # greedy near-ties left to a one-token forward (decoding/accept.py); None: by the target's dtype
         self.tie_margin = TIE_MARGIN.get(target.dtype, 0.0) if tie_margin is None else tie_margin
+        # the payoff guard (decoding/payoff.py): per request, the tree shrinks down to plain steps where drafting
+        # does not pay; True: a fresh one; a PayoffGuard: one shared with other engines (what it learnt carries over)
+        self.guard = PayoffGuard() if guard is True else (guard or None)
         check_generation_config(effective_generation_config(target.model))
 
     def generate(self, request: Request, sampling: SamplingParams | None = None, max_new_tokens: int = 128,
@@ -82,14 +86,17 @@ class SpecEngine:
         t0 += time.perf_counter() - tp
         if done:
             return self._finish(tracker, stats, t0)
-        td = time.perf_counter()
-        d.begin(t, out, root)
-        stats.drafter_prefill_s = time.perf_counter() - td
-        stats.drafter_prefill_tokens = int(getattr(d, "prefill_tokens", 0))
-        stats.draft_s += stats.drafter_prefill_s
-        passes0 = int(getattr(d, "passes", 0))  # the drafter's forward count (drafters that keep one)
+        first_root, begun, passes0 = root, False, 0
+        # the drafter hears of committed tokens just before it next drafts, not after every cycle: plain steps
+        # (the payoff guard's, a 1-token pick's, a near-tie's) cost it nothing, and a drafter is begun only when a
+        # cycle first drafts (a kind of request that does not pay never runs the drafter's prefill)
+        pending: list[int] = []  # committed tokens (root first) the drafter has not observed yet
+        pending_feats: list[torch.Tensor] = []  # their target features
+        news = self.calibrator is not None or self.guard is not None or self.tree.total_tokens > 1
+        guard = (self.guard.request(self.tree, request_kind(request, n_prompt))
+                 if self.guard is not None and self.calibrator is None else None)
         single = False  # the next cycle verifies the root alone (a near-tie left to a one-token forward)
-        observe_s = 0.0  # the drafter's time in observe after the previous cycle (a draft cost of this one)
+        drafted_before = False  # the previous cycle drafted: this cycle's observe is the steady per-cycle kind
         while True:
             room = t.max_context - t.seq_len  # cache slots left; >= remaining + 1 >= 2 by check_length
             probing = False
@@ -97,14 +104,31 @@ class SpecEngine:
                 p = self.calibrator.probe  # recorded only when verified whole (nodes reach depth + 1)
                 whole = not single and room >= p.total_tokens and tracker.remaining - 2 >= p.depth
                 self.tree, probing = self.calibrator.next_cycle(whole)  # (its provisional pick is not draft time)
+            cycle_tree = guard.next_tree(len(tracker.ids)) if guard is not None else self.tree
+            drafting = not single and cycle_tree.total_tokens > 1  # a 1-token tree: a plain AR step
             td = time.perf_counter()
-            drafting = not single and self.tree.total_tokens > 1  # a 1-token tree: a plain AR step
+            begin_s = observe_s = 0.0
+            if drafting:
+                if not begun:
+                    d.begin(t, out, first_root)
+                    begin_s = stats.drafter_prefill_s = time.perf_counter() - td
+                    stats.drafter_prefill_tokens = int(getattr(d, "prefill_tokens", 0))
+                    passes0 = int(getattr(d, "passes", 0))  # the drafter's forward count (drafters that keep one)
+                    begun = True
+                to = time.perf_counter()
+                if pending:
+                    d.observe(pending, torch.cat(pending_feats), root)
+                    pending, pending_feats = [], []
+                observe_s = time.perf_counter() - to
+            tprop = time.perf_counter()
             tree = DraftTree.chain([root]) if not drafting else (
-                d.propose(root, self._fit(room)).truncate(tracker.remaining - 1)  # deeper: never emitted
+                d.propose(root, self._fit(room, cycle_tree)).truncate(tracker.remaining - 1)  # deeper: never emitted
                 .head(room))  # the verified tree must fit the context
             tv = time.perf_counter()
-            passes = int(getattr(d, "passes", 0)) - passes0
-            cycle_passes, stats.draft_passes = passes - stats.draft_passes, passes
+            cycle_passes = 0
+            if begun:
+                passes = int(getattr(d, "passes", 0)) - passes0
+                cycle_passes, stats.draft_passes = passes - stats.draft_passes, passes
             ancestors = tree.ancestors  # [n, n] the tree mask, also each node's history for the processors
             v = t.verify(tree.tokens, ancestors, tree.depth)
             if v.logits.is_cuda:  # a GPU runs the forward asynchronously: its time is verify's, not bookkeeping's
@@ -119,40 +143,47 @@ class SpecEngine:
             new = tree.tokens[path[1:]].tolist() + ([] if single else [bonus])
             stats.cycles += 1
             stats.tie_cycles += single
+            stats.plain_cycles += not drafting
             stats.accepted_per_cycle.append(len(path) - 1)
             stats.draft_s += tv - td
             stats.verify_s += ta - tv
             n_before = len(tracker.ids)
             done = tracker.add(new)
+            tb = time.perf_counter()
+            catch_up = begin_s + (0.0 if drafted_before else observe_s)  # not this tree's steady cost
             if probing and not single:  # (a near-tie cut the path: not a record)
-                book_s = time.perf_counter() - ta  # acceptance, processors, commit: this cycle's bookkeeping
-                picked = self.calibrator.observe(tree, path, tv - td, observe_s, book_s, cycle_passes)
+                picked = self.calibrator.observe(tree, path, tv - tprop, observe_s if drafted_before else 0.0,
+                                                 tb - ta, cycle_passes)  # tb - ta: acceptance, processors, commit
                 if picked is not None:
                     self.tree, self.calibrator = picked, None
             elif self.calibrator is not None and drafting:  # what a step of this tree's top_k costs
-                self.calibrator.timed(self.tree, tv - td, cycle_passes)
+                self.calibrator.timed(self.tree, tv - tprop, cycle_passes)
+            if guard is not None:
+                guard.record(cycle_tree if drafting else PLAIN, len(new), tb - td - catch_up, catch_up,
+                             len(tracker.ids))
+            drafted_before = drafting
             if new:
                 tp = time.perf_counter()
                 yield tracker.ids[n_before:]
                 t0 += time.perf_counter() - tp
             if done:
                 break
-            to = time.perf_counter()
-            if keep and (self.tree.total_tokens > 1 or self.calibrator is not None):  # a drafter never asked
-                # again (the final pick is the 1-token tree) needs no news; a calibrating one may probe again
-                d.observe(tree.tokens[keep].tolist(), target_features(d, v)[0, keep], nxt)
-            observe_s = time.perf_counter() - to
-            stats.draft_s += observe_s
+            if keep and news:  # what the drafter reads before its next proposal
+                pending += tree.tokens[keep].tolist()
+                pending_feats.append(target_features(d, v)[0, keep])
             root = nxt
         if self.calibrator is not None:
             self.calibrator.end_request()
+        if guard is not None:
+            guard.finish(len(tracker.ids))
+            stats.guard_moves = guard.moves
         return self._finish(tracker, stats, t0)
 
-    def _fit(self, room: int) -> TreeConfig:
-        """The tree config shrunk to `room` cache slots (the verified tree must fit the target's context)."""
-        if room >= self.tree.total_tokens:
-            return self.tree
-        return TreeConfig(top_k=self.tree.top_k, depth=min(self.tree.depth, room - 1), total_tokens=room)
+    def _fit(self, room: int, tree: TreeConfig) -> TreeConfig:
+        """`tree` shrunk to `room` cache slots (the verified tree must fit the target's context)."""
+        if room >= tree.total_tokens:
+            return tree
+        return TreeConfig(top_k=tree.top_k, depth=min(tree.depth, room - 1), total_tokens=room)
 
     @staticmethod
     def _finish(tracker: OutputTracker, stats: GenerationStats, t0: float) -> Generation:

@@ -17,6 +17,8 @@ class GenerationStats:
     accepted_per_cycle: list[int] = field(default_factory=list)  # accepted draft tokens per cycle (bonus excluded)
     draft_passes: int = 0  # drafter forwards while proposing (a drafter's `passes` counter; 0: it keeps none)
     tie_cycles: int = 0  # cycles that ended at a half-precision near-tie, without a bonus (decoding/accept.py)
+    plain_cycles: int = 0  # cycles that drafted nothing: one-token forwards (payoff guard, 1-token tree, near-tie)
+    guard_moves: list[tuple[int, int]] = field(default_factory=list)  # (answer tokens, new ladder rung) per move
     prefill_s: float = 0.0
     draft_s: float = 0.0  # the drafter's time: its begin (drafter_prefill_s) + proposing + observing
     drafter_prefill_s: float = 0.0  # the drafter's begin: its own pass over the prompt, once per request

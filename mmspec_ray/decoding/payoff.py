@@ -1,0 +1,158 @@
+"""Never slower than plain decoding: the engine's online payoff guard.
+
+A calibrated tree is right on average, not for every request: a short video caption, a prompt the drafter has not
+seen the like of, or a stretch of an answer the drafter cannot guess can cost more in drafting and wider verifies
+than its accepted tokens save. The guard measures, per request, what each drafted cycle paid (tokens committed x the
+measured seconds of a plain one-token step, against the cycle's own seconds) and moves down a short ladder of trees
+when a running mean of that ratio drops below 1: the calibrated tree, a half-size one, then plain one-token steps
+(the AR baseline's own forward, with no drafter work at all). From plain steps it retries drafting after a backoff
+that doubles after each failed retry, and a half-size tree that pays well grows back. What it learns is kept per
+kind of request (media kind and prompt length): where a kind's answers ended, and whether drafting paid on them
+once the drafter's own prefill is counted; a kind where it did not starts plain and begins the drafter only once an
+answer outgrows the kind's usual length. Lossless as ever: the guard only chooses which tree is proposed.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+from mmspec_ray.decoding.tree import TreeConfig
+from mmspec_ray.targets.request import Request
+
+PLAIN = TreeConfig(top_k=1, depth=1, total_tokens=1)  # one token per forward: no drafting
+MIN_CYCLES = 3  # drafted cycles at one tree before the guard judges it ...
+RETRY_CYCLES = 2  # ... and on a retry after plain steps (each failed retry costs these cycles)
+GAIN_ALPHA = 0.3  # weight of the newest cycle in the running gain
+YARDSTICK = 3  # plain steps timed before anything is drafted (once per engine): their median is the yardstick ...
+STEPS_KEPT = 16  # ... and then the median of the latest this many plain steps (a cold first forward, e.g. a GPU's
+# library start-up, must not set the yardstick for good: a yardstick too long makes any drafting look paying)
+GROW = 1.3  # a running gain at which a shrunk tree grows back one size
+BACKOFF = (8, 64)  # plain steps before drafting is retried: the first wait, and the cap it doubles up to
+KIND_ALPHA = 0.5  # weight of the newest request in a kind's drafting payoff
+ANSWERS_KEPT = 16  # answer lengths remembered per kind (their median: how long the kind's answers run)
+
+
+def ladder(tree: TreeConfig) -> list[TreeConfig]:
+    """The trees the guard moves between, largest first: `tree`, a half-size tree where `tree` has more than two
+    tokens, then plain one-token steps."""
+    if tree.total_tokens <= 1:
+        return [PLAIN]
+    out = [tree]
+    if tree.total_tokens > 2:
+        out.append(TreeConfig(top_k=max(1, tree.top_k // 2), depth=max(1, tree.depth // 2),
+                              total_tokens=max(2, tree.total_tokens // 2)))
+    return out + [PLAIN]
+
+
+def request_kind(request: Request, prompt_tokens: int) -> str:
+    """The kind of request the guard keeps apart: its media kind and its prompt length (short / medium / long / very
+    long), since both change what a drafter is worth (a clip's drafter prefill, a long context's verify)."""
+    media = "video" if request.videos else "image" if request.images else "text"
+    size = next((name for name, top in (("short", 256), ("medium", 1024), ("long", 4096)) if prompt_tokens <= top),
+                "very-long")
+    return f"{media}/{size}"
+
+
+@dataclass
+class KindMemory:
+    """What the guard learnt about one kind of request, carried to the next request of that kind."""
+
+    level: int = 0  # the ladder rung the last request of this kind ended on
+    backoff: int = BACKOFF[0]  # plain steps before the next retry
+    pay_s: float | None = None  # seconds drafting saved per drafted request (negative: lost), drafter prefill included
+    answers: deque = field(default_factory=lambda: deque(maxlen=ANSWERS_KEPT))  # recent answer lengths in tokens
+
+    def defer(self) -> int:
+        """Answer tokens to decode plainly before the drafter begins: none while drafting pays on this kind, else the
+        kind's usual answer length (answers that end by then never pay the drafter's prefill)."""
+        if self.pay_s is None or self.pay_s >= 0 or not self.answers:
+            return 0
+        return int(statistics.median(self.answers)) + 1
+
+
+class PayoffGuard:
+    """What the guard knows across requests (one per engine): the seconds of a plain step, and each kind's memory."""
+
+    def __init__(self) -> None:
+        self.steps: deque = deque(maxlen=STEPS_KEPT)  # seconds of the latest plain one-token cycles
+        self.kinds: dict[str, KindMemory] = {}
+
+    @property
+    def step_s(self) -> float | None:
+        """Seconds of a plain one-token cycle (forward + bookkeeping): the median of the latest ones, once
+        `YARDSTICK` are timed."""
+        return statistics.median(self.steps) if len(self.steps) >= YARDSTICK else None
+
+    def request(self, tree: TreeConfig, kind: str) -> "RequestGuard":
+        """The guard of one request decoded with `tree` as its largest tree."""
+        return RequestGuard(self, tree, self.kinds.setdefault(kind, KindMemory()))
+
+    def plain_step(self, seconds: float) -> None:
+        self.steps.append(seconds)
+
+
+class RequestGuard:
+    """The guard during one request: which tree each cycle uses, from what the cycles so far paid."""
+
+    def __init__(self, guard: PayoffGuard, tree: TreeConfig, memory: KindMemory) -> None:
+        self.guard, self.memory = guard, memory
+        self.ladder = ladder(tree)
+        self.plain_level = len(self.ladder) - 1
+        self.level = min(memory.level, self.plain_level)
+        self.defer = memory.defer()
+        self.gain: float | None = None  # running mean of (tokens x plain-step seconds / cycle seconds) at this rung
+        self.judged = 0  # drafted cycles at this rung since it was entered
+        self.plain_run = 0  # plain steps since drafting last stopped
+        self.retry = False  # this drafting stretch is a retry after plain steps
+        self.pay_s = 0.0  # seconds drafting saved on this request so far (negative: lost)
+        self.drafted = False
+        self.moves: list[tuple[int, int]] = []  # (answer tokens so far, new rung) at each move: the stats' record
+
+    def next_tree(self, generated: int) -> TreeConfig:
+        """The tree of the coming cycle, `generated` answer tokens in."""
+        if self.guard.step_s is None or generated < self.defer:  # the yardstick first; then a short kind's answers
+            return PLAIN
+        if self.level == self.plain_level and self.plain_level > 0 and self.plain_run >= self.memory.backoff:
+            self._move(self.plain_level - 1, generated)
+            self.retry = True
+        return self.ladder[self.level]
+
+    def record(self, tree: TreeConfig, tokens: int, seconds: float, extra_s: float = 0.0, generated: int = 0) -> None:
+        """One cycle done with `tree`: `tokens` committed in `seconds` (its drafting, forward and bookkeeping).
+        `extra_s`: the drafter's catch-up before it (its prefill, or observing the plain steps it missed), charged to
+        this request's payoff but not to the running gain, which judges the tree's steady state."""
+        if tree.total_tokens <= 1:
+            self.guard.plain_step(seconds)
+            self.plain_run += 1
+            return
+        step = self.guard.step_s or seconds
+        self.drafted = True
+        self.pay_s += tokens * step - seconds - extra_s
+        ratio = tokens * step / max(seconds, 1e-9)
+        self.gain = ratio if self.gain is None else GAIN_ALPHA * ratio + (1 - GAIN_ALPHA) * self.gain
+        self.judged += 1
+        if self.judged < (RETRY_CYCLES if self.retry else MIN_CYCLES):
+            return
+        if self.gain < 1.0:
+            if self.retry and self.level + 1 == self.plain_level:  # a retry that failed: wait longer next time
+                self.memory.backoff = min(2 * self.memory.backoff, BACKOFF[1])
+            self._move(self.level + 1, generated)
+        elif self.retry:  # a retry that paid: back to the first wait
+            self.retry, self.memory.backoff = False, BACKOFF[0]
+        elif self.gain >= GROW and self.level > 0:
+            self._move(self.level - 1, generated)
+
+    def finish(self, answer_tokens: int) -> None:
+        """The request ended: what the kind remembers for its next request."""
+        self.memory.level = self.level
+        self.memory.answers.append(answer_tokens)
+        if self.drafted:
+            self.memory.pay_s = self.pay_s if self.memory.pay_s is None else (
+                KIND_ALPHA * self.pay_s + (1 - KIND_ALPHA) * self.memory.pay_s)
+
+    def _move(self, level: int, generated: int) -> None:
+        self.level, self.gain, self.judged, self.plain_run = level, None, 0, 0
+        self.retry = False
+        self.moves.append((generated, level))

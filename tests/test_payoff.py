@@ -1,0 +1,219 @@
+"""The payoff guard (decoding/payoff.py): its decisions from given cycle timings, and, in the engine, that whatever
+tree it picks cycle by cycle the output is the target's (greedy token for token on every family, sampling by a
+chi-square test), and that under a drafter that is always wrong it falls back to plain one-token steps."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from mmspec_ray.config import SamplingParams
+from mmspec_ray.decoding.engine import AREngine, SpecEngine
+from mmspec_ray.decoding.payoff import (BACKOFF, MIN_CYCLES, PLAIN, RETRY_CYCLES, YARDSTICK, KindMemory, PayoffGuard,
+                                        RequestGuard, ladder, request_kind)
+from mmspec_ray.decoding.tree import DraftTree, TreeConfig
+from mmspec_ray.drafters.eagle import Eagle2Drafter
+from mmspec_ray.targets import Request, wrap
+from families import FAMILIES, build_target
+from test_accept import chi2_critical, chi2_stat
+from test_engine import PeekDrafter, requests_for, three_token_distribution
+
+TREE = TreeConfig(top_k=4, depth=4, total_tokens=20)
+
+
+def yardstick(guard: PayoffGuard, seconds: float = 1.0) -> None:
+    for _ in range(YARDSTICK):
+        guard.plain_step(seconds)
+
+
+def test_ladder_ends_in_plain_steps():
+    assert ladder(TREE) == [TREE, TreeConfig(top_k=2, depth=2, total_tokens=10), PLAIN]
+    assert ladder(TreeConfig(top_k=1, depth=1, total_tokens=2)) == [TreeConfig(top_k=1, depth=1, total_tokens=2), PLAIN]
+    assert ladder(PLAIN) == [PLAIN]
+
+
+def test_plain_steps_come_first_until_the_yardstick_is_timed():
+    guard = PayoffGuard()
+    r = guard.request(TREE, "text/short")
+    for i in range(YARDSTICK):
+        assert r.next_tree(i) == PLAIN
+        r.record(PLAIN, 1, 1.0 + i)
+    assert guard.step_s == 2.0 and r.next_tree(YARDSTICK) == TREE
+
+
+def test_a_losing_tree_steps_down_to_plain_then_retries_with_a_doubling_backoff():
+    guard = PayoffGuard()
+    yardstick(guard)
+    r = guard.request(TREE, "image/short")
+    n = 0
+    for _ in range(MIN_CYCLES):  # 1 token per 2 s against 1 token per 1 s: a gain of 0.5
+        assert r.next_tree(n) == TREE
+        r.record(TREE, 1, 2.0, generated=n)
+    assert r.next_tree(n) == ladder(TREE)[1]
+    for _ in range(MIN_CYCLES):
+        r.record(ladder(TREE)[1], 1, 2.0, generated=n)
+    assert r.next_tree(n) == PLAIN
+    waits = []
+    for _ in range(5):  # plain until the backoff is served, then a retry at the smallest tree, which fails again
+        w = 0
+        while r.next_tree(n) == PLAIN:
+            r.record(PLAIN, 1, 1.0)
+            w += 1
+        waits.append(w)
+        assert r.next_tree(n) == ladder(TREE)[1]
+        for _ in range(RETRY_CYCLES):
+            r.record(ladder(TREE)[1], 1, 2.0)
+    assert waits == [BACKOFF[0], 2 * BACKOFF[0], 4 * BACKOFF[0], BACKOFF[1], BACKOFF[1]]
+
+
+def test_a_paying_tree_is_kept_and_a_shrunk_tree_that_pays_well_grows_back():
+    guard = PayoffGuard()
+    yardstick(guard)
+    r = guard.request(TREE, "text/short")
+    for _ in range(20):
+        assert r.next_tree(0) == TREE
+        r.record(TREE, 3, 2.0)  # gain 1.5
+    assert r.moves == []
+    r.level = 1
+    for _ in range(MIN_CYCLES):
+        r.record(ladder(TREE)[1], 3, 2.0)
+    assert r.next_tree(0) == TREE
+
+
+def test_a_retry_that_pays_resets_the_backoff():
+    guard = PayoffGuard()
+    yardstick(guard)
+    mem = KindMemory(level=2, backoff=32)
+    r = RequestGuard(guard, TREE, mem)
+    for _ in range(32):
+        assert r.next_tree(0) == PLAIN
+        r.record(PLAIN, 1, 1.0)
+    assert r.next_tree(0) == ladder(TREE)[1]
+    for _ in range(RETRY_CYCLES):
+        r.record(ladder(TREE)[1], 2, 1.2)
+    assert mem.backoff == BACKOFF[0] and r.next_tree(0) == ladder(TREE)[1]
+
+
+def test_a_kind_where_drafting_lost_starts_plain_for_its_usual_answer_length():
+    guard = PayoffGuard()
+    yardstick(guard)
+    for answer in (10, 12, 14):  # short answers on which drafting (its prefill included) lost
+        r = guard.request(TREE, "video/short")
+        r.record(TREE, 1, 2.0, extra_s=0.5)
+        r.finish(answer)
+    mem = guard.kinds["video/short"]
+    assert mem.pay_s < 0 and mem.defer() == 13
+    r = guard.request(TREE, "video/short")
+    assert [r.next_tree(n) for n in (0, 12, 13)] == [PLAIN, PLAIN, TREE]
+    assert guard.request(TREE, "text/short").next_tree(0) == TREE  # other kinds are not held back
+
+
+def test_request_kind_by_media_and_prompt_length():
+    from tiny import random_images
+
+    img = tuple(random_images(1, seed=0))
+    assert request_kind(Request(prompt="a"), 10) == "text/short"
+    assert request_kind(Request(prompt="a", images=img), 900) == "image/medium"
+    assert request_kind(Request(prompt="a", videos=(img,)), 5000) == "video/very-long"
+
+
+class ShuffledGuard(PayoffGuard):
+    """A guard whose request guards pick each cycle's rung at random (seeded): every tree sequence the real guard
+    could produce, plain stretches and a drafter begun late included, must leave the output unchanged."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.rng = random.Random(seed)
+
+    def request(self, tree: TreeConfig, kind: str) -> RequestGuard:
+        guard = self
+
+        class Shuffled(RequestGuard):
+            def next_tree(self, generated: int) -> TreeConfig:
+                return self.ladder[guard.rng.randrange(len(self.ladder))]
+
+        return Shuffled(self, tree, self.kinds.setdefault(kind, KindMemory()))
+
+
+class WrongDrafter:
+    """Knows the answer and proposes, at the full tree size, a chain that is wrong from its first token (each the
+    true token's id + 1): every cycle wastes its drafting and its wider verify."""
+
+    name = "wrong"
+
+    def __init__(self, answer: list[int], vocab: int) -> None:
+        self.answer, self.vocab, self.pos = answer, vocab, 0
+
+    def begin(self, target, prefill, root: int) -> None:
+        self.pos = 0
+
+    def propose(self, root: int, cfg: TreeConfig) -> DraftTree:
+        true = (self.answer + [0] * cfg.total_tokens)[self.pos + 1:self.pos + cfg.total_tokens]
+        return DraftTree.chain([root] + [(t + 1) % self.vocab for t in true])
+
+    def observe(self, tokens: list[int], hidden: torch.Tensor, bonus: int) -> None:
+        self.pos += len(tokens)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_target(request):
+    torch.manual_seed(0)
+    return request.param, build_target(request.param)
+
+
+def test_any_tree_sequence_the_guard_picks_is_lossless_on_every_family(family_target):
+    family, target = family_target
+    for name, req in requests_for(family).items():
+        ar = AREngine(target).generate(req, max_new_tokens=32).token_ids
+        for seed in range(2):
+            eng = SpecEngine(target, Eagle2Drafter.random(target, seed=1), TREE, guard=ShuffledGuard(seed))
+            g = eng.generate(req, max_new_tokens=32)
+            assert g.token_ids == ar, (family, name, seed)
+            assert 0 < g.stats.plain_cycles < g.stats.cycles, (family, name, seed)  # both kinds of cycle ran
+
+
+def test_a_drafter_that_is_always_wrong_falls_back_to_plain_steps(family_target):
+    family, target = family_target
+    req = requests_for(family)["image"]
+    ar = AREngine(target).generate(req, max_new_tokens=48).token_ids
+    eng = SpecEngine(target, WrongDrafter(ar, target.vocab_size), TREE, guard=True)
+    plain = cycles = 0
+    for _ in range(2):  # the second request starts where the first one's kind ended: plain, retrying after a wait
+        g = eng.generate(req, max_new_tokens=48)
+        assert g.token_ids == ar and sum(g.stats.accepted_per_cycle) == 0, family
+        plain, cycles = plain + g.stats.plain_cycles, cycles + g.stats.cycles
+    assert plain > 0.75 * cycles, (family, plain, cycles, g.stats.guard_moves)
+
+
+def test_sampling_under_a_shuffling_guard_keeps_the_target_distribution():
+    """As test_engine's chi-square test (3-token answers, T 0.8, top-k 4, top-p 0.9, 1,500 samples, p = 1e-4),
+    with each cycle's tree picked at random between the drafter's tree and plain steps."""
+    from tiny import tiny_llava
+
+    target = wrap(*tiny_llava(init=0.08))
+    params = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
+    req = Request(prompt="describe the image")
+    prompt_ids = target.encode(req)["input_ids"][0].tolist()
+
+    def dist(prefix: list[int]) -> torch.Tensor:
+        from mmspec_ray.decoding.sampling import warp
+
+        with torch.inference_mode():
+            return warp(target.model(input_ids=torch.tensor([prompt_ids + prefix])).logits[0, -1], params)
+
+    probs = three_token_distribution(dist)
+    n = 1500
+    eng = SpecEngine(target, PeekDrafter(target), TreeConfig(top_k=3, depth=1, total_tokens=4),
+                     guard=ShuffledGuard(0))
+    samples, accepted, plain = Counter(), 0, 0
+    for s in range(n):
+        g = eng.generate(req, SamplingParams(temperature=0.8, top_k=4, top_p=0.9, seed=s), max_new_tokens=3)
+        samples[tuple(g.token_ids)] += 1
+        accepted += sum(g.stats.accepted_per_cycle)
+        plain += g.stats.plain_cycles
+    assert accepted > n // 8 and plain > n // 4  # drafts accepted, and plain steps taken
+    stat, df = chi2_stat(samples, probs, n)
+    assert stat < chi2_critical(df), f"chi2 {stat:.1f} > {chi2_critical(df):.1f} (df {df})"
