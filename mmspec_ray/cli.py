@@ -214,7 +214,7 @@ def bench_config(a: argparse.Namespace):
     tree = checked(TreeConfig, TREE_FLAGS, top_k=a.tree_top_k, depth=a.tree_depth, total_tokens=a.tree_tokens)
     return checked(BenchConfig, {}, prompts=a.prompts, max_new_tokens=a.max_new_tokens, repeats=a.repeats,
                    temperatures=tuple(a.temperatures), seed=a.seed, tree=tree, peers=not a.no_peers,
-                   payoff_guard=not a.no_payoff_guard)
+                   payoff_guard=not a.no_payoff_guard, anti_oracle=a.anti_oracle)
 
 
 def cmd_drafter_inspect(a: argparse.Namespace) -> int:
@@ -357,8 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--drafter", default="auto",
                      help="auto (the default: the toy world's shipped drafter, the one measured fastest there, trained "
                      "on first use; ngram for other targets), none (plain AR), ngram, a drafter checkpoint directory (this "
-                     "project's, or a released EAGLE-1/2/3 or SpecForge head: `mmspec drafter inspect`), or a method "
-                     "name (eagle2, eagle3, hivis, ...) with a toy target")
+                     "project's, or a released EAGLE-1/2/3 or SpecForge head: `mmspec drafter inspect`), draft-model:PATH (a "
+                     "smaller checkpoint of the target's family, same tokenizer and processor; no training; PATH may be "
+                     "a toy world name, e.g. toy-s for toy-m), or a method name (eagle2, eagle3, hivis, ...) with a toy "
+                     "target")
     gen.add_argument("--tree-top-k", type=int, default=None,
                      help="fix the draft tree (unset ones: top-k 8, depth 5, 48 tokens); with no --tree-* flag the "
                      "tree is calibrated for this target, drafter and machine on first use and cached")
@@ -440,6 +442,9 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="the target's dtype (as mmspec generate --dtype: auto is bfloat16 on cuda, float32 on cpu)")
     be.add_argument("--seed", type=int, default=0)
+    be.add_argument("--anti-oracle", action="store_true",
+                    help="also a drafter that is always wrong, on the --tree-* tree, without and with the payoff guard "
+                         "(anti_oracle, anti_oracle_guarded): what falling back to plain steps costs against AR")
     be.add_argument("--no-payoff-guard", action="store_true",
                     help="run @auto drafters on their calibrated tree alone, without the payoff guard that shrinks it "
                          "to plain steps where drafting does not pay")

@@ -31,7 +31,7 @@ from mmspec_ray.bench.workloads import Workload
 from mmspec_ray.config import SamplingParams
 from mmspec_ray.drafters.base import load_drafter
 from mmspec_ray.drafters.ngram import NgramDrafter
-from mmspec_ray.drafters.oracle import OracleDrafter
+from mmspec_ray.drafters.oracle import AntiOracleDrafter, OracleDrafter
 from mmspec_ray.decoding.calibrate import auto_tree, device_name
 from mmspec_ray.decoding.payoff import PayoffGuard
 from mmspec_ray.decoding.engine import AREngine, SpecEngine
@@ -51,6 +51,9 @@ class BenchConfig(BaseModel):
     seed: int = 0
     peers: bool = True  # False: AR and the given drafters only (tree sweeps)
     payoff_guard: bool = True  # drafters with a calibrated tree (@auto) run under the payoff guard, as in production
+    # also a drafter that is always wrong (drafters/oracle.py, AntiOracleDrafter) on `tree`, without the guard
+    # ("anti_oracle") and with it ("anti_oracle_guarded"): the guard's fallback cost against AR
+    anti_oracle: bool = False
 
 
 def _hf_runner(target: VLMTarget, req: Request, max_new_tokens: int, sampling: SamplingParams,
@@ -87,7 +90,7 @@ def _engine_runner(engine: SpecEngine, req: Request, max_new_tokens: int,
         st = g.stats
         return len(g.token_ids), {"accepted": sum(st.accepted_per_cycle), "cycles": st.cycles, "prefill_s": st.prefill_s,
                                   "draft_s": st.draft_s, "verify_s": st.verify_s, "overhead_s": st.overhead_s,
-                                  "draft_passes": st.draft_passes,
+                                  "draft_passes": st.draft_passes, "plain_cycles": st.plain_cycles,
                                   "drafter_prefill_s": st.drafter_prefill_s,
                                   "drafter_prefill_tokens": st.drafter_prefill_tokens, "prompt_tokens": st.prompt_tokens,
                                   "accepted_hist": accepted_counts(st.accepted_per_cycle),
@@ -173,6 +176,7 @@ def run_bench(target: VLMTarget, requests: list[Request] | list[Workload], draft
     if assistant is not None:  # the HF assisted-generation peer's small model runs in the target's dtype
         assistant = assistant.to(device=target.device, dtype=target.dtype)
     ar = AREngine(target)
+    anti_guard = PayoffGuard()  # kept across prompts, as a decoder's is
     for temp in cfg.temperatures:
         sampling = SamplingParams(temperature=temp, top_k=0, top_p=1.0, seed=cfg.seed)
         for pi, (workload, req, max_new) in enumerate(items):
@@ -191,6 +195,13 @@ def run_bench(target: VLMTarget, requests: list[Request] | list[Workload], draft
             for label, drafter in loaded.items():
                 methods[label] = _engine_runner(SpecEngine(target, drafter, trees[label], guard=guards.get(label, False)),
                                                 req, max_new, sampling)
+            if cfg.anti_oracle:
+                vocab = target.vocab_size
+                methods["anti_oracle"] = _engine_runner(
+                    SpecEngine(target, AntiOracleDrafter(ref.token_ids, vocab), cfg.tree), req, max_new, sampling)
+                methods["anti_oracle_guarded"] = _engine_runner(
+                    SpecEngine(target, AntiOracleDrafter(ref.token_ids, vocab), cfg.tree, guard=anti_guard), req,
+                    max_new, sampling)
             if temp == 0.0 and cfg.peers:
                 methods["oracle"] = _engine_runner(SpecEngine(target, OracleDrafter(ref.token_ids), cfg.tree), req,
                                                    max_new, sampling)
@@ -261,6 +272,7 @@ def summarize(runs: list[dict]) -> dict:
                     row["accepted_per_pass"] = sum(r["accepted"] for r in mr) / passes
                     row["passes_per_cycle"] = passes / max(1, sum(r["cycles"] for r in mr))
                 ncyc = max(1, sum(r["cycles"] for r in mr))  # draft time includes the drafter's begin (its prefill)
+                row["plain_share"] = sum(r.get("plain_cycles", 0) for r in mr) / ncyc
                 row.update(draft_ms_per_cycle=1e3 * sum(r["draft_s"] for r in mr) / ncyc,
                            verify_ms_per_cycle=1e3 * sum(r["verify_s"] for r in mr) / ncyc,
                            overhead_ms_per_cycle=1e3 * sum(r.get("overhead_s", 0.0) for r in mr) / ncyc,
@@ -329,6 +341,11 @@ def summary_markdown(summary: dict) -> list[str]:
                     for m, r in table.items() if "accepted_per_pass" in r]
         if per_pass:
             lines += ["", "accepted draft tokens per drafter forward: " + ", ".join(per_pass)]
+        plain = [f"{m} {r['plain_share']:.0%}" for m, r in table.items()
+                 if r.get("plain_share") and m != "ar"]
+        if plain:
+            lines += ["", "cycles that drafted nothing (plain one-token steps: payoff guard, 1-token tree, near-ties): "
+                      + ", ".join(plain)]
         lines.append("")
     return lines
 

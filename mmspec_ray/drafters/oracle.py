@@ -27,3 +27,16 @@ class OracleDrafter:
 
     def observe(self, tokens: list[int], hidden: torch.Tensor, bonus: int) -> None:
         self.pos += len(tokens)
+
+
+class AntiOracleDrafter(OracleDrafter):
+    """The opposite (tests and benchmarks only): a chain as long as the tree allows whose every token is wrong (the
+    AR answer's token id + 1), so no draft is ever accepted: what the payoff guard must fall back from."""
+
+    def __init__(self, answer: list[int], vocab: int) -> None:
+        super().__init__(answer)
+        self.vocab = vocab
+
+    def propose(self, root: int, cfg: TreeConfig) -> DraftTree:
+        true = (self.answer + [0] * cfg.total_tokens)[self.pos + 1:self.pos + cfg.total_tokens]
+        return DraftTree.chain([root] + [(t + 1) % self.vocab for t in true])
