@@ -80,6 +80,9 @@ class TargetOutput:
     # {layer index: [1, n]} prefill only, when asked (`prefill(entropy_layers=...)`): each query row's attention
     # entropy in that decoder layer, averaged over heads (DREAM's intermediate-layer selection)
     attention_entropy: dict[int, torch.Tensor] = field(default_factory=dict)
+    # prefill only: the encoded model inputs the prefill ran on (`encode`'s dict: input_ids, pixel values, grids ...),
+    # so a second model that reads media the same way (a draft model) can prefill on exactly the same inputs
+    inputs: dict[str, Any] | None = None
 
 
 class VLMTarget:
@@ -276,6 +279,7 @@ class VLMTarget:
             media_segments=segment_ids(ids.shape[1], self.media_pieces(ids[0], inputs), ids.device),
             attention_received=received,
             attention_entropy=entropy,
+            inputs=inputs,
         )
 
     def after_prefill_position(self, inputs: dict[str, Any]) -> int:
@@ -286,37 +290,50 @@ class VLMTarget:
         """[1, n] position ids of tree nodes (root at depth 0 takes `next_pos`)."""
         return (self.next_pos + depth).unsqueeze(0)
 
-    def tree_mask(self, ancestors: torch.Tensor, depth: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
-        """Additive float mask [1, 1, n, seq_len + n]: every node sees the committed prefix, its ancestors and itself;
+    def tree_mask(self, ancestors: torch.Tensor, depth: torch.Tensor,
+                  cached_depth: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Additive float mask [1, 1, n, seq_len + m]: every node sees the committed prefix, its ancestors and itself;
         on sliding-window layers only keys less than `sliding_window` cache slots back, counting a node at depth d
         as slot seq_len + d (as HF counts a generated token: by cache index, not rope position). One mask when all
-        layers are alike, else {layer type: mask} (the per-layer-type form HF's hybrid models accept)."""
-        n, L = ancestors.shape[0], self.seq_len
-        allowed = torch.ones((n, L + n), dtype=torch.bool, device=self.device)
+        layers are alike, else {layer type: mask} (the per-layer-type form HF's hybrid models accept).
+        `ancestors` is [n, m]: m == n for a tree verified at once; m > n when the first m - n columns are uncommitted
+        nodes an earlier `verify` left in the cache (a drafter growing its tree level by level), `cached_depth`
+        [m - n] their depths."""
+        n, m, L = ancestors.shape[0], ancestors.shape[1], self.seq_len
+        allowed = torch.ones((n, L + m), dtype=torch.bool, device=self.device)
         allowed[:, L:] = ancestors
         masks = {FULL: allowed, SLIDING: allowed}
         if self.sliding_window is not None:
             q = L + depth
-            k = torch.cat([torch.arange(L, device=self.device), q])
+            cached = L + cached_depth.to(self.device) if cached_depth is not None else q[:0]
+            k = torch.cat([torch.arange(L, device=self.device), cached, q])
             masks[SLIDING] = allowed & (q.unsqueeze(1) - k.unsqueeze(0) < self.sliding_window)
         out = {}
         for kind in set(self.layer_types):
-            m = torch.zeros((1, 1, n, L + n), dtype=self.dtype, device=self.device)
-            out[kind] = m.masked_fill_(~masks[kind], torch.finfo(self.dtype).min)
+            mask = torch.zeros((1, 1, n, L + m), dtype=self.dtype, device=self.device)
+            out[kind] = mask.masked_fill_(~masks[kind], torch.finfo(self.dtype).min)
         return next(iter(out.values())) if len(out) == 1 else out
 
     @torch.inference_mode()
-    def verify(self, tokens: torch.Tensor, ancestors: torch.Tensor, depth: torch.Tensor) -> TargetOutput:
+    def verify(self, tokens: torch.Tensor, ancestors: torch.Tensor, depth: torch.Tensor,
+               cached_depth: torch.Tensor | None = None) -> TargetOutput:
         """Score a token tree in one forward: tokens [n], ancestors [n, n] bool (row i: i's ancestors and i),
-        depth [n] (root 0). Node KV is appended after the committed prefix until `commit`."""
+        depth [n] (root 0). Node KV is appended after the committed prefix until `commit`.
+        Growing a tree over several forwards (a draft model): `ancestors` [n, m] also covers the m - n uncommitted
+        nodes earlier verifies left in the cache (columns first, in cache order), `cached_depth` [m - n] their
+        depths; `commit` then indexes every uncommitted node in cache order."""
         if self.cache is None:
             raise RuntimeError("verify before prefill")
-        n = tokens.shape[0]
+        n, m = tokens.shape[0], ancestors.shape[1]
+        held = self.cache.get_seq_length() - self.seq_len  # uncommitted nodes already in the cache
+        if held != m - n or (m > n and (cached_depth is None or cached_depth.shape[0] != m - n)):
+            raise RuntimeError(f"verify of {n} nodes with ancestor columns for {m}: the cache holds {held} "
+                               "uncommitted nodes; give their ancestor columns and depths (cached_depth), or commit")
         positions = self.tree_positions(depth.to(self.device))
         ids = tokens.view(1, n).to(self.device)
         out = self.model(
             input_ids=ids,
-            attention_mask=self.tree_mask(ancestors.to(self.device), depth.to(self.device)),
+            attention_mask=self.tree_mask(ancestors.to(self.device), depth.to(self.device), cached_depth),
             position_ids=positions,
             past_key_values=self.cache,
             use_cache=True,
@@ -331,9 +348,10 @@ class VLMTarget:
 
     @torch.inference_mode()
     def commit(self, keep: list[int]) -> None:
-        """Keep the KV of tree nodes `keep` (root first, in path order) and drop every other node. In place: the
-        accepted slots are gathered into the first len(keep) tree slots and the tail is cut off (a view), so the
-        cost is O(len(keep)) per layer, whatever the context length."""
+        """Keep the KV of tree nodes `keep` (root first, in path order; indices over every uncommitted node in the
+        cache, in cache order) and drop every other node. In place: the accepted slots are gathered into the first
+        len(keep) tree slots and the tail is cut off (a view), so the cost is O(len(keep)) per layer, whatever the
+        context length."""
         if self.cache is None:
             raise RuntimeError("commit before prefill")
         L, k = self.seq_len, len(keep)
