@@ -36,7 +36,8 @@ def build_parser(job: str) -> argparse.ArgumentParser:
     a("--target", help=f"checkpoint dir or s3:// prefix, or a toy world name (default {DEFAULT_TOY})")
     a("--drafter", help='"auto" (the default: a toy world\'s shipped drafter; for a checkpoint the drafter trained '
       'for it with the best recorded held-out tau in $MMSPEC_HOME/drafters and --drafter-dir, else ngram), "ngram", '
-      '"none" or a drafter checkpoint dir / s3:// prefix')
+      '"none", a drafter checkpoint dir / s3:// prefix, or draft-model:PATH (a smaller checkpoint of the target\'s '
+      'family sharing its tokenizer and processor)')
     a("--drafter-dir", action="append", dest="drafter_dirs", help="a folder (local or s3://) of trained drafters "
       "where auto also looks (repeatable)")
     a("--dry-run", action="store_true", help="print the plan (after reading the input's schema and counting rows) "

@@ -64,7 +64,8 @@ class DecodeConfig(BaseModel):
     target: str = Field(..., description="checkpoint directory or s3:// prefix (save_pretrained layout)")
     drafter: str = Field(DEFAULT_DRAFTER, description=(
         '"auto" (a toy world\'s shipped drafter, trained on first use; ngram for other targets), "none", "ngram" or '
-        "a trained drafter checkpoint directory or s3:// prefix"))
+        "a trained drafter checkpoint directory or s3:// prefix, or draft-model:PATH (a smaller checkpoint of the "
+        "target's family sharing its tokenizer and processor)"))
     device: str = Field("auto", description='"auto" (cuda when the actor has a GPU), "cpu", "cuda", "cuda:1" ...')
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     tree: TreeConfig | Literal["auto"] = Field("auto", description=(

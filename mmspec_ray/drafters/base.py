@@ -65,6 +65,7 @@ MODULES: dict[str, str] = {
     "vispec": "mmspec_ray.drafters.vispec",
     "dream": "mmspec_ray.drafters.dream",
     "ngram": "mmspec_ray.drafters.ngram",
+    "draft-model": "mmspec_ray.drafters.draft_model",
     "none": "mmspec_ray.drafters.none",
     "oracle": "mmspec_ray.drafters.oracle",
 }
@@ -121,7 +122,9 @@ def check_drafter_files(path: "Path") -> None:
 def load_drafter(spec: str | None, target: "VLMTarget", device: str | None = None,
                  s3: "S3Config | None" = None) -> Drafter:
     """A ready drafter for `target` from a method name ("none", "ngram", "ngram:N" for a shortest match of N
-    tokens) or a trained drafter checkpoint directory
+    tokens), a draft model ("draft-model:PATH", or a bare PATH holding a VLM checkpoint of a supported family with
+    its processor: a smaller sibling of the target, loaded on the target's device and dtype) or a trained drafter
+    checkpoint directory
     or s3:// prefix (`config.json` naming its `method` + `model.safetensors`, or a released head in a layout
     `drafters.released` recognises). None or "" means no drafter (plain AR decoding).
     `device`, when given, must be the target's (see `check_device`); `s3`: the endpoint of an s3:// drafter
@@ -136,14 +139,22 @@ def load_drafter(spec: str | None, target: "VLMTarget", device: str | None = Non
         if n and not n.isdigit():
             raise ValueError(f"drafter {spec!r}: ngram:N takes the shortest match length N as a whole number")
         return drafter_class("ngram")(**({"min_ngram": int(n), "max_ngram": max(3, int(n))} if n else {}))
+    draft_model = drafter_class("draft-model")
+    if spec.startswith("draft-model:") or draft_model.is_checkpoint(spec, s3):  # a smaller VLM of the same family
+        path = spec.removeprefix("draft-model:")
+        if not path:
+            raise ValueError("drafter 'draft-model:' names no checkpoint; give draft-model:PATH (a directory or "
+                             "s3:// prefix of a smaller checkpoint of the target's family)")
+        return draft_model.load(path, target, device=device, s3=s3)
     if spec.startswith("s3://"):  # mirrored once into the local checkpoint cache, as targets are
         from mmspec_ray.targets.registry import fetch_checkpoint
 
         spec = str(fetch_checkpoint(spec, s3, check=check_drafter_files, refresh=True))  # small; may be re-published
     path = Path(spec)
     if not (path / "config.json").exists():
-        raise ValueError(f"drafter {spec!r} is neither a method name (none, ngram) nor a drafter checkpoint "
-                         "directory with config.json; train one with `mmspec train-drafter`")
+        raise ValueError(f"drafter {spec!r} is neither a method name (none, ngram), a draft model "
+                         "(draft-model:PATH) nor a drafter checkpoint directory with config.json; train one with "
+                         "`mmspec train-drafter`")
     import json
 
     method = json.loads((path / "config.json").read_text()).get("method")
