@@ -283,3 +283,20 @@ def test_a_slow_target_measures_fewer_rounds_of_the_cost_curve():
         assert calls == [1, 4] * 11 and costs[1] <= costs[4]
     finally:
         del target.verify
+
+
+def test_weights_stamp_follows_the_weights_of_a_drafter_or_a_draft_model(tmp_path):
+    """A checkpoint retrained in the same folder gets a new calibration key: the stamp reads its weights, through a
+    draft-model: prefix and for a sharded checkpoint's index; a method name has none."""
+    from mmspec_ray.decoding.calibrate import weights_stamp
+
+    one, sharded = tmp_path / "one", tmp_path / "sharded"
+    one.mkdir(), sharded.mkdir()
+    (one / "model.safetensors").write_bytes(b"x" * 10)
+    (sharded / "model.safetensors.index.json").write_text("{}")
+    assert weights_stamp(str(one)).startswith("10:") and weights_stamp(f"draft-model:{one}") == weights_stamp(str(one))
+    assert weights_stamp(str(sharded)).startswith("2:")
+    assert weights_stamp("ngram") == "" and weights_stamp(str(tmp_path)) == ""
+    before = weights_stamp(str(one))
+    (one / "model.safetensors").write_bytes(b"y" * 12)
+    assert weights_stamp(str(one)) != before

@@ -250,12 +250,16 @@ def calibration_dir() -> Path:
 
 def weights_stamp(path: str) -> str:
     """Size and modification time of a local checkpoint's weights ("" for anything else): a checkpoint trained
-    again in the same folder (e.g. a toy world's drafter under a new recipe) gets a tree calibrated for it."""
-    try:
-        st = (Path(path) / "model.safetensors").stat()
-    except (OSError, ValueError):
-        return ""
-    return f"{st.st_size}:{st.st_mtime_ns}"
+    again in the same folder (e.g. a toy world's drafter under a new recipe) gets a tree calibrated for it. A
+    draft-model spec (`draft-model:PATH`) stamps PATH; a sharded checkpoint, its shard index."""
+    path = path.removeprefix("draft-model:")
+    for name in ("model.safetensors", "model.safetensors.index.json"):
+        try:
+            st = (Path(path) / name).stat()
+        except (OSError, ValueError):
+            continue
+        return f"{st.st_size}:{st.st_mtime_ns}"
+    return ""
 
 
 def calibration_key(target: Any, drafter: str) -> dict[str, str]:
