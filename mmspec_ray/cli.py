@@ -422,8 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "needs parquets")
     be.add_argument("--drafter", default="eagle2",
                     help="comma list, run interleaved in one bench: eagle2 / msd / hivis (the toy world's), checkpoint dirs "
-                         "or LABEL=DIR; '' for none. DRAFTER@auto: the tree calibrated for it on this machine; "
-                         "DRAFTER@k4d5n16: a fixed tree (top-k 4, depth 5, 16 tokens) for that method")
+                         "or LABEL=DIR; '' for none. DRAFTER@auto: the tree calibrated for it on this machine, under the "
+                         "payoff guard; DRAFTER@auto-noguard: that tree alone; DRAFTER@k4d5n16: a fixed tree (top-k 4, depth 5, 16 tokens) for that method")
     be.add_argument("--assistant", default="auto",
                     help="small model for the HF assisted-generation peer: a checkpoint dir, '' for none, or auto "
                          "(toy-m: toy-s, the model it was grown from; none for other targets)")

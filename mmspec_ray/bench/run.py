@@ -111,14 +111,14 @@ def same_answer(a: list[int], b: list[int], eos: set[int]) -> bool:
 
 
 def split_tree(spec: str) -> tuple[str, TreeConfig | str | None]:
-    """`DRAFTER@TREE` -> (DRAFTER, tree): TREE is `auto` (calibrated) or `kKdDnN` (top_k K, depth D, N tokens);
-    no `@`: (spec, None), the bench's tree."""
+    """`DRAFTER@TREE` -> (DRAFTER, tree): TREE is `auto` (calibrated, under the payoff guard), `auto-noguard` (the
+    calibrated tree alone) or `kKdDnN` (top_k K, depth D, N tokens); no `@`: (spec, None), the bench's tree."""
     path, _, tree = spec.rpartition("@") if "@" in spec else (spec, "", "")
-    if not tree or tree == "auto":
+    if not tree or tree in ("auto", "auto-noguard"):
         return path, tree or None
     m = re.fullmatch(r"k(\d+)d(\d+)n(\d+)", tree)
     if not m:
-        raise ValueError(f"drafter {spec!r}: the tree after @ is auto or kKdDnN (e.g. k4d5n16)")
+        raise ValueError(f"drafter {spec!r}: the tree after @ is auto, auto-noguard or kKdDnN (e.g. k4d5n16)")
     return path, TreeConfig(top_k=int(m[1]), depth=int(m[2]), total_tokens=int(m[3]))
 
 
@@ -168,7 +168,7 @@ def run_bench(target: VLMTarget, requests: list[Request] | list[Workload], draft
         loaded[label] = load_drafter(path, target)
         if tree == "auto" and cfg.payoff_guard:  # one per method, kept across its requests (what it learns carries)
             guards[label] = PayoffGuard()
-        if tree == "auto":
+        if tree in ("auto", "auto-noguard"):
             tree, results.setdefault("calibration", {})[label] = calibrate_tree(target, loaded[label], path,
                                                                                 requests, cfg.max_new_tokens)
         trees[label] = tree or cfg.tree
