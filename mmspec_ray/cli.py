@@ -131,7 +131,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     drafter = load_drafter(drafter_spec, target)
     guard = tree is None  # the calibrated tree comes with the payoff guard; a tree given by flags is used as given
     if tree is None:  # no tree flag: the tree calibrated for this target, drafter and machine
-        tree = auto_tree(target, drafter_spec or "none", recalibrate=a.recalibrate)
+        tree = auto_tree(target, drafter_spec or "none", recalibrate=a.recalibrate,
+                         probe=getattr(drafter, "probe_tree", None))
     images = (load_image(a.image),) if a.image else ()
     videos = (tuple(load_video(a.video, a.num_frames or video_frames_for(path)).frames),) if a.video else ()
     engine = SpecEngine(target, drafter, tree, tie_margin=a.tie_margin, guard=guard)

@@ -300,3 +300,23 @@ def test_weights_stamp_follows_the_weights_of_a_drafter_or_a_draft_model(tmp_pat
     before = weights_stamp(str(one))
     (one / "model.safetensors").write_bytes(b"y" * 12)
     assert weights_stamp(str(one)) != before
+
+
+def test_a_drafter_may_ask_for_a_deeper_probe_tree(tmp_path, monkeypatch):
+    """auto_tree(probe=...): the calibrator probes with the drafter's own largest tree, under a key of its own (a
+    default-probe calibration of the same drafter is another entry), and resumes only records of that probe."""
+    from types import SimpleNamespace
+
+    from mmspec_ray.decoding import calibrate
+
+    monkeypatch.setenv("MMSPEC_CALIBRATION_DIR", str(tmp_path))
+    target = SimpleNamespace(model=SimpleNamespace(name_or_path="t"), device=torch.device("cpu"), dtype=torch.float32)
+    deep = TreeConfig(top_k=4, depth=16, total_tokens=64)
+    cal = calibrate.auto_tree(target, "draft-model:x", probe=deep)
+    assert isinstance(cal, calibrate.TreeCalibrator) and cal.probe == deep and cal.key["probe"] == "k4d16n64"
+    plain = calibrate.auto_tree(target, "draft-model:x")
+    assert plain.probe == calibrate.PROBE and "probe" not in plain.key
+    cal.costs = {1: 1.0}
+    cal.end_request()
+    assert calibrate.auto_tree(target, "draft-model:x", probe=deep).costs == {1: 1.0}
+    assert calibrate.TreeCalibrator.resume(cal.key).costs is None  # saved under another probe: not resumed

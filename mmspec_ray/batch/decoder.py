@@ -54,7 +54,8 @@ class SpecDecoder:
         t0 = time.perf_counter()
         self.target = load_target(cfg.target, self.device, self.dtype, s3=cfg.s3)
         self.drafter = load_drafter(cfg.drafter, self.target, device=self.device)
-        tree = auto_tree(self.target, cfg.drafter) if cfg.tree == "auto" else cfg.tree
+        tree = (auto_tree(self.target, cfg.drafter, probe=getattr(self.drafter, "probe_tree", None))
+                if cfg.tree == "auto" else cfg.tree)
         guard = cfg.tree == "auto" if cfg.payoff_guard is None else cfg.payoff_guard
         self.engine = SpecEngine(self.target, self.drafter, tree, tie_margin=cfg.tie_margin, guard=guard)
         self.progress = progress  # optional ProgressTracker actor handle

@@ -127,7 +127,7 @@ def calibrate_tree(target: VLMTarget, drafter, spec: str, requests: list[Request
     """The calibrated tree for a bench method: from the cache, or by decoding the bench's prompts (greedy, untimed)
     until the engine's calibrator has picked; with what it measured."""
     t0 = time.perf_counter()
-    engine = SpecEngine(target, drafter, auto_tree(target, spec))
+    engine = SpecEngine(target, drafter, auto_tree(target, spec, probe=getattr(drafter, "probe_tree", None)))
     calibrator = engine.calibrator
     for req in requests * 8:
         if engine.calibrator is None:

@@ -357,21 +357,21 @@ class TreeCalibrator:
             "records": [[t.tokens.tolist(), t.parents.tolist(), t.scores.tolist(), p] for t, p in self.records]}))
 
     @classmethod
-    def resume(cls, key: dict[str, str]) -> "TreeCalibrator":
+    def resume(cls, key: dict[str, str], probe: TreeConfig = PROBE) -> "TreeCalibrator":
         """A calibrator holding what earlier processes recorded for this key (a fresh one when there is none)."""
         try:
             saved = json.loads(_cache_path(key, ".partial.json").read_text())
-            if saved["key"] != key or TreeConfig(**saved["probe"]) != PROBE:
-                return cls(key)
+            if saved["key"] != key or TreeConfig(**saved["probe"]) != probe:
+                return cls(key, probe=probe)
             records = [(DraftTree(torch.tensor(tok), torch.tensor(par), depths(torch.tensor(par)),
                                   torch.tensor(sc)), path) for tok, par, sc, path in saved["records"]]
             costs = {int(n): c for n, c in saved["costs"].items()} if saved["costs"] else None
             steps = ({int(k): v for k, v in saved["steps"].items()} if "steps" in saved else  # an older file:
                      {PROBE.top_k: [saved["propose_s"], saved["levels"]]})  # its probe cycles' steps
-            return cls(key, costs=costs, records=records, steps=steps, observe_s=saved["observe_s"],
+            return cls(key, probe=probe, costs=costs, records=records, steps=steps, observe_s=saved["observe_s"],
                        book_s=saved.get("book_s", 0.0), requests=saved.get("requests", 0))
         except (OSError, ValueError, KeyError, TypeError):
-            return cls(key)
+            return cls(key, probe=probe)
 
     def _pick(self) -> TreePick:
         assert self.costs is not None and self.records
@@ -403,18 +403,24 @@ def _write(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def auto_tree(target: Any, drafter: str, recalibrate: bool = False) -> TreeConfig | TreeCalibrator:
+def auto_tree(target: Any, drafter: str, recalibrate: bool = False,
+              probe: TreeConfig | None = None) -> TreeConfig | TreeCalibrator:
     """The calibrated tree for (target, drafter, this device) from the cache, or a calibrator that finds it while
-    the engine decodes its first requests. `drafter` is the drafter's spec (method name or checkpoint path)."""
+    the engine decodes its first requests. `drafter` is the drafter's spec (method name or checkpoint path).
+    `probe`: the largest tree calibration considers, where a drafter asks for another than `PROBE` (its
+    `probe_tree`, e.g. a draft model deep chains of which are accepted whole); part of the cache key."""
     if not drafter or drafter == "none":
         return TreeConfig(top_k=1, depth=1, total_tokens=1)
+    probe = probe or PROBE
     key = calibration_key(target, drafter)
+    if probe != PROBE:
+        key["probe"] = f"k{probe.top_k}d{probe.depth}n{probe.total_tokens}"
     if recalibrate:
         _cache_path(key, ".partial.json").unlink(missing_ok=True)
-        return TreeCalibrator(key)
+        return TreeCalibrator(key, probe=probe)
     pick = cached_pick(key)
     if pick is not None:
         log.info("tree for %s from the calibration cache: top_k %d, depth %d, %d tokens (predicted %.2fx)", drafter,
                  pick.tree.top_k, pick.tree.depth, pick.tree.total_tokens, pick.predicted_speedup)
         return pick.tree
-    return TreeCalibrator.resume(key)
+    return TreeCalibrator.resume(key, probe)

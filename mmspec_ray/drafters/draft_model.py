@@ -126,6 +126,11 @@ def is_draft_model_checkpoint(uri: str, s3: "S3Config | None" = None) -> bool:
 class DraftModelDrafter:
     """Per-request drafting state around a second, smaller VLM of the target's family."""
 
+    # calibration's largest tree (decoding/calibrate.py): deeper than a head's, since a sibling model agrees with
+    # its target for long runs (toy-s with toy-m: 7 tokens per forward on a 16-token tree of depth 5), and a chain
+    # as deep as HF assisted generation's (up to 20 tokens) must be within reach
+    probe_tree = TreeConfig(top_k=4, depth=16, total_tokens=64)
+
     def __init__(self, draft: "VLMTarget", target: "VLMTarget") -> None:
         check_pairing(draft, target)
         self.draft = draft
