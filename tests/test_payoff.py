@@ -102,6 +102,7 @@ def test_a_kind_where_drafting_lost_starts_plain_for_its_usual_answer_length():
     yardstick(guard)
     for answer in (10, 12, 14):  # short answers on which drafting (its prefill included) lost
         r = guard.request(TREE, "video/short")
+        assert r.next_tree(0) in (TREE, PLAIN)
         r.record(TREE, 1, 2.0, extra_s=0.5)
         r.finish(answer)
     mem = guard.kinds["video/short"]
@@ -115,9 +116,55 @@ def test_request_kind_by_media_and_prompt_length():
     from tiny import random_images
 
     img = tuple(random_images(1, seed=0))
-    assert request_kind(Request(prompt="a"), 10) == "text/short"
-    assert request_kind(Request(prompt="a", images=img), 900) == "image/medium"
-    assert request_kind(Request(prompt="a", videos=(img,)), 5000) == "video/very-long"
+    assert request_kind(Request(prompt="a"), 10) == "text/short/greedy"
+    assert request_kind(Request(prompt="a", images=img), 900, greedy=False) == "image/medium/sampled"
+    assert request_kind(Request(prompt="a", videos=(img,)), 5000) == "video/very-long/greedy"
+
+
+def test_a_kind_starts_on_its_best_rung_after_trying_each_and_explores_now_and_then():
+    """Calibration per kind of request: a kind whose full tree gains little tries the half-size tree on its next
+    request, then starts each request on the rung that gained most on it, and every EXPLORE_EVERY-th request on the
+    other one (so a rung judged on a few cycles is measured again)."""
+    from mmspec_ray.decoding.payoff import EXPLORE_EVERY
+
+    guard = PayoffGuard()
+    yardstick(guard)
+    half = ladder(TREE)[1]
+    r = guard.request(TREE, "video/short/sampled")
+    assert r.next_tree(0) == TREE
+    r.record(TREE, 2, 1.8)  # gain 1.1: pays, but under GROW
+    r.finish(8)
+    r = guard.request(TREE, "video/short/sampled")
+    assert r.next_tree(0) == half  # not tried yet on this kind
+    r.record(half, 2, 1.4)  # gain 1.43
+    r.finish(8)
+    starts = []
+    for _ in range(2 * EXPLORE_EVERY):
+        r = guard.request(TREE, "video/short/sampled")
+        starts.append(r.next_tree(0))
+        r.finish(8)
+    assert starts.count(half) == 2 * EXPLORE_EVERY - 2 and starts.count(TREE) == 2  # the best, and now and then not
+    assert guard.request(TREE, "text/short/greedy").next_tree(0) == TREE  # another kind starts on the full tree
+
+
+def test_the_drafted_depth_is_capped_by_the_tokens_left():
+    """Near the end of an answer the drafter is asked for no deeper tree than the remaining tokens can use."""
+    from tiny import tiny_llava
+
+    target = wrap(*tiny_llava())
+    req = Request(prompt="describe the image")
+    ar = AREngine(target).generate(req, max_new_tokens=12).token_ids
+    seen: list[tuple[int, int]] = []
+
+    class Recording(WrongDrafter):
+        def propose(self, root, cfg):
+            seen.append((self.pos, cfg.depth))
+            return super().propose(root, cfg)
+
+    g = SpecEngine(target, Recording(ar, target.vocab_size), TREE).generate(req, max_new_tokens=12)
+    assert g.token_ids == ar
+    # a cycle at answer position p (p + 1 tokens emitted) has 12 - p - 1 left: depth at most that - 2, at least 1
+    assert seen and all(depth == max(1, min(TREE.depth, 12 - p - 1 - 2)) for p, depth in seen), seen
 
 
 class ShuffledGuard(PayoffGuard):

@@ -93,7 +93,7 @@ class SpecEngine:
         pending: list[int] = []  # committed tokens (root first) the drafter has not observed yet
         pending_feats: list[torch.Tensor] = []  # their target features
         news = self.calibrator is not None or self.guard is not None or self.tree.total_tokens > 1
-        guard = (self.guard.request(self.tree, request_kind(request, n_prompt))
+        guard = (self.guard.request(self.tree, request_kind(request, n_prompt, sampling.greedy))
                  if self.guard is not None and self.calibrator is None else None)
         single = False  # the next cycle verifies the root alone (a near-tie left to a one-token forward)
         drafted_before = False  # the previous cycle drafted: this cycle's observe is the steady per-cycle kind
@@ -121,8 +121,9 @@ class SpecEngine:
                     pending, pending_feats = [], []
                 observe_s = time.perf_counter() - to
             tprop = time.perf_counter()
+            fitted = self._fit(room, tracker.remaining, cycle_tree, probing)
             tree = DraftTree.chain([root]) if not drafting else (
-                d.propose(root, self._fit(room, cycle_tree)).truncate(tracker.remaining - 1)  # deeper: never emitted
+                d.propose(root, fitted).truncate(tracker.remaining - 1)  # deeper: never emitted
                 .head(room))  # the verified tree must fit the context
             tv = time.perf_counter()
             cycle_passes = 0
@@ -157,7 +158,7 @@ class SpecEngine:
                 if picked is not None:
                     self.tree, self.calibrator = picked, None
             elif self.calibrator is not None and drafting:  # what a step of this tree's top_k costs
-                self.calibrator.timed(self.tree, tv - tprop, cycle_passes)
+                self.calibrator.timed(fitted, tv - tprop, cycle_passes)
             if guard is not None:
                 guard.record(cycle_tree if drafting else PLAIN, len(new), tb - td - catch_up, catch_up,
                              len(tracker.ids))
@@ -179,11 +180,16 @@ class SpecEngine:
             stats.guard_moves = guard.moves
         return self._finish(tracker, stats, t0)
 
-    def _fit(self, room: int, tree: TreeConfig) -> TreeConfig:
-        """`tree` shrunk to `room` cache slots (the verified tree must fit the target's context)."""
-        if room >= tree.total_tokens:
+    @staticmethod
+    def _fit(room: int, remaining: int, tree: TreeConfig, probing: bool = False) -> TreeConfig:
+        """`tree` shrunk to `room` cache slots (the verified tree must fit the target's context) and, except on a
+        calibration probe (recorded whole), to the depth `remaining` answer tokens can use: nodes reach depth + 1
+        and a path of j drafts emits j + 1 tokens, so drafter steps past remaining - 2 would be cut unverified."""
+        depth = tree.depth if probing else max(1, min(tree.depth, remaining - 2))
+        total = min(tree.total_tokens, room)
+        if (depth, total) == (tree.depth, tree.total_tokens):
             return tree
-        return TreeConfig(top_k=tree.top_k, depth=min(tree.depth, room - 1), total_tokens=room)
+        return TreeConfig(top_k=tree.top_k, depth=min(depth, max(1, total - 1)), total_tokens=total)
 
     @staticmethod
     def _finish(tracker: OutputTracker, stats: GenerationStats, t0: float) -> Generation:

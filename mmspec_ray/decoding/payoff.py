@@ -31,6 +31,8 @@ STEPS_KEPT = 16  # ... and then the median of the latest this many plain steps (
 GROW = 1.3  # a running gain at which a shrunk tree grows back one size
 BACKOFF = (8, 64)  # plain steps before drafting is retried: the first wait, and the cap it doubles up to
 KIND_ALPHA = 0.5  # weight of the newest request in a kind's drafting payoff
+RUNG_ALPHA = 0.2  # weight of the newest drafted cycle in a kind's gain at that rung
+EXPLORE_EVERY = 8  # every this many requests of a kind, one starts on a rung other than the best one so far
 ANSWERS_KEPT = 16  # answer lengths remembered per kind (their median: how long the kind's answers run)
 
 
@@ -46,13 +48,14 @@ def ladder(tree: TreeConfig) -> list[TreeConfig]:
     return out + [PLAIN]
 
 
-def request_kind(request: Request, prompt_tokens: int) -> str:
-    """The kind of request the guard keeps apart: its media kind and its prompt length (short / medium / long / very
-    long), since both change what a drafter is worth (a clip's drafter prefill, a long context's verify)."""
+def request_kind(request: Request, prompt_tokens: int, greedy: bool = True) -> str:
+    """The kind of request the guard keeps apart: its media kind, its prompt length (short / medium / long / very
+    long) and whether it samples, since each changes what a drafter is worth (a clip's drafter prefill, a long
+    context's verify, acceptance under sampling)."""
     media = "video" if request.videos else "image" if request.images else "text"
     size = next((name for name, top in (("short", 256), ("medium", 1024), ("long", 4096)) if prompt_tokens <= top),
                 "very-long")
-    return f"{media}/{size}"
+    return f"{media}/{size}/{'greedy' if greedy else 'sampled'}"
 
 
 @dataclass
@@ -61,8 +64,30 @@ class KindMemory:
 
     level: int = 0  # the ladder rung the last request of this kind ended on
     backoff: int = BACKOFF[0]  # plain steps before the next retry
+    gains: dict[int, float] = field(default_factory=dict)  # drafting rung -> running gain of its cycles on this kind
+    requests: int = 0  # requests of this kind started
     pay_s: float | None = None  # seconds drafting saved per drafted request (negative: lost), drafter prefill included
     answers: deque = field(default_factory=lambda: deque(maxlen=ANSWERS_KEPT))  # recent answer lengths in tokens
+
+    def start_level(self, plain_level: int) -> int:
+        """The rung a request of this kind starts on: plain where the last one ended plain (it retries after the
+        wait); else the drafting rung with the best gain on this kind so far, trying a rung not yet tried while the
+        best is below `GROW`, and another rung than the best every `EXPLORE_EVERY` requests (so a rung that lost
+        once on a few cycles is measured again)."""
+        self.requests += 1
+        if self.level >= plain_level:
+            return plain_level
+        rungs = range(plain_level)
+        known = {r: g for r, g in self.gains.items() if r < plain_level}
+        if not known:
+            return min(self.level, plain_level - 1)
+        best = max(known, key=lambda r: (known[r], -r))
+        untried = [r for r in rungs if r not in known]
+        if untried and known[best] < GROW:
+            return untried[0]
+        if len(rungs) > 1 and self.requests % EXPLORE_EVERY == 0:
+            return next(r for r in rungs if r != best)
+        return best
 
     def defer(self) -> int:
         """Answer tokens to decode plainly before the drafter begins: none while drafting pays on this kind, else the
@@ -100,7 +125,7 @@ class RequestGuard:
         self.guard, self.memory = guard, memory
         self.ladder = ladder(tree)
         self.plain_level = len(self.ladder) - 1
-        self.level = min(memory.level, self.plain_level)
+        self.level = memory.start_level(self.plain_level)
         self.defer = memory.defer()
         self.gain: float | None = None  # running mean of (tokens x plain-step seconds / cycle seconds) at this rung
         self.judged = 0  # drafted cycles at this rung since it was entered
@@ -132,6 +157,8 @@ class RequestGuard:
         self.pay_s += tokens * step - seconds - extra_s
         ratio = tokens * step / max(seconds, 1e-9)
         self.gain = ratio if self.gain is None else GAIN_ALPHA * ratio + (1 - GAIN_ALPHA) * self.gain
+        known = self.memory.gains.get(self.level)
+        self.memory.gains[self.level] = ratio if known is None else RUNG_ALPHA * ratio + (1 - RUNG_ALPHA) * known
         self.judged += 1
         if self.judged < (RETRY_CYCLES if self.retry else MIN_CYCLES):
             return
