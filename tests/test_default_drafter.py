@@ -42,7 +42,7 @@ def shipped_micro(monkeypatch):
 def test_defaults_are_auto_and_toy_worlds_ship_their_fastest_drafter():
     assert DEFAULT_DRAFTER == "auto" and DecodeConfig(target="/m").drafter == "auto"
     assert build_parser("caption_kinetics").parse_args([]).drafter is None  # so the spec default (auto) applies
-    assert SHIPPED["toy-s"].method == "eagle2" and SHIPPED["toy-m"].method == "hivis"
+    assert SHIPPED["toy-s"].method == "eagle2" and SHIPPED["toy-m"].method == "draft-model:toy-s"
     assert recipe_for("toy-s", "eagle2") == SHIPPED["toy-s"].recipe
     assert recipe_for("toy-s", "msd") == toy_drafter.RECIPES["toy-s"]  # other methods keep the world's recipe
 
@@ -78,6 +78,24 @@ def test_toy_world_trains_its_shipped_drafter_once_per_recipe(micro_world, shipp
     assert [h["epoch"] for h in history] == [1, 2]
     assert "heldout_tau" not in history[0] and "heldout_tau" in history[1]  # eval_every 5: the last epoch only
     assert json.loads((out / "recipe.json").read_text())["train"]["epochs"] == 2
+
+
+def test_a_world_may_ship_another_worlds_target_as_its_draft_model(micro_world, monkeypatch):
+    """toy-m ships toy-s as draft model: `auto` resolves to draft-model:<the sibling world's target>, trains
+    nothing, and the spec loads as a draft-model drafter (here the micro world drafting for itself)."""
+    from mmspec_ray.drafters.base import load_drafter
+    from mmspec_ray.drafters.draft_model import DraftModelDrafter
+    from mmspec_ray.targets import load_target
+
+    monkeypatch.setitem(SHIPPED, MICRO.name, ShippedDrafter("draft-model:toy-sibling", None, "test", "nothing"))
+    built = []
+    monkeypatch.setattr(toy_drafter, "build_toy", lambda name, **kw: built.append(name) or micro_world)
+    drafters = micro_world.root / "drafters"
+    before = sorted(drafters.iterdir()) if drafters.exists() else []
+    spec = resolve_auto_drafter("auto", str(micro_world.target))
+    assert spec == f"draft-model:{micro_world.target}" and built == ["toy-sibling"]
+    assert (sorted(drafters.iterdir()) if drafters.exists() else []) == before  # nothing trained
+    assert isinstance(load_drafter(spec, load_target(micro_world.target)), DraftModelDrafter)
 
 
 def test_job_plan_decoder_and_generate_resolve_auto(micro_world, shipped_micro, ckpt, monkeypatch):

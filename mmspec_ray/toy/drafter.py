@@ -49,12 +49,13 @@ RECIPES = {"toy-s": ToyDrafterRecipe(), "toy-m": ToyDrafterRecipe(examples=800)}
 
 
 class ShippedDrafter(NamedTuple):
-    """The drafter a toy world ships (trained on first use): its method, the recipe, and why (docs/benchmarks.md)."""
+    """The drafter a toy world ships: a method trained on first use with `recipe`, or `draft-model:WORLD` (another
+    toy world's target as draft model, no training); and why (docs/benchmarks.md)."""
 
     method: str
-    recipe: ToyDrafterRecipe
+    recipe: ToyDrafterRecipe | None
     why: str
-    first_use: str  # how long its training takes on first use
+    first_use: str  # what its first use costs
 
 
 # What `--drafter auto` (the default of the batch jobs, Serve and `mmspec generate`) means on each toy world.
@@ -65,17 +66,17 @@ SHIPPED = {
     "toy-s": ShippedDrafter("eagle2", ToyDrafterRecipe(
         examples=200, train=TrainConfig(epochs=32, batch_size=16, lr=2e-3, eval_every=16)),
         "eagle2, the fastest drafter measured on toy-s", "about 1.2 minutes on 2 cores"),
-    # The recipe of the measured toy-m HiViS drafter (200 multimodal + 200 text prompts); tens of minutes on first use.
-    "toy-m": ShippedDrafter("hivis", ToyDrafterRecipe(
-        examples=200, text_examples=200, train=TrainConfig(epochs=11, batch_size=16, lr=2e-3, multistep_epochs=3)),
-        "HiViS, the fastest drafter measured on toy-m", "tens of minutes on a CPU (--drafter ngram skips it)"),
+    # toy-s as toy-m's draft model: toy-m was grown from toy-s, so the two agree for long runs; no training (the
+    # trained HiViS head, the fastest trained drafter there, took tens of minutes on first use)
+    "toy-m": ShippedDrafter("draft-model:toy-s", None, "toy-s as draft model, the fastest drafter measured on toy-m",
+                            "nothing to train: toy-s is built with toy-m"),
 }
 
 
 def recipe_for(name: str, method: str) -> ToyDrafterRecipe:
     """The recipe a toy world trains `method` with: the shipped drafter's own, else the world's default."""
     shipped = SHIPPED.get(name)
-    return shipped.recipe if shipped and shipped.method == method else RECIPES[name]
+    return shipped.recipe if shipped and shipped.method == method and shipped.recipe else RECIPES[name]
 
 
 def drafter_dir(world: ToyWorld, method: str) -> Path:
@@ -188,6 +189,10 @@ def choose_drafter(drafter: str | None, target: str, folders: tuple[str, ...] = 
     if world is not None:
         name, built = world
         shipped = SHIPPED[name]
+        if shipped.method.startswith("draft-model:"):  # another toy world's target drafts
+            sibling = shipped.method.partition(":")[2]
+            log.info("drafter auto on %s: %s (%s)", name, shipped.why, shipped.first_use)
+            return DrafterChoice(f"draft-model:{build_toy(sibling).target}", f"auto: {shipped.why}")
         log.info("drafter auto on %s: %s (its first use trains it: %s)", name, shipped.why, shipped.first_use)
         return DrafterChoice(str(build_toy_drafter(name, shipped.method, world=built)), f"auto: {shipped.why}")
     search = [home_drafters(), *folders]
