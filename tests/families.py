@@ -85,6 +85,18 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
         "two_images": Request(prompt="what is there", images=tuple(random_images(2, seed=2))),
         "video": Request(prompt="what is happening", videos=(tuple(random_images(4, seed=3)),)),
     }),
+    _family("qwen3_vl", "tiny_qwen3_vl", "tiny_qwen3_vl", {  # a clip: one run of tokens per 2-frame group
+        "text": TEXT,
+        "image": Request(prompt="describe the image", images=tuple(random_images(1, seed=1))),
+        "two_images": Request(prompt="what is there", images=tuple(random_images(2, seed=2))),
+        "video": Request(prompt="what is happening", videos=(tuple(random_images(4, seed=3)),)),
+    }),
+    _family("qwen3_vl_moe", "tiny_qwen3_vl", "tiny_qwen3_vl_moe", {
+        "text": TEXT,
+        "image": Request(prompt="describe the image", images=tuple(random_images(1, seed=1))),
+        "two_images": Request(prompt="what is there", images=tuple(random_images(2, seed=2))),
+        "video": Request(prompt="what is happening", videos=(tuple(random_images(4, seed=3)),)),
+    }),
     _family("idefics3", "tiny_idefics3", "tiny_idefics3", {  # no video input
         "text": TEXT,
         "image": Request(prompt="describe the image", images=(_SQUARE,)),  # 96x96 -> 64x64 -> 2x2 tiles + global

@@ -26,6 +26,8 @@ STAND_IN = {
     "llava_onevision": ("LlavaOnevisionProcessor", "LlavaOnevisionVideoProcessor"),
     "qwen2_5_vl": ("Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor"),
     "qwen2_vl": ("Qwen2VLProcessor", "Qwen2VLVideoProcessor"),
+    "qwen3_vl": ("Qwen3VLProcessor", "Qwen3VLVideoProcessor"),
+    "qwen3_vl_moe": ("Qwen3VLProcessor", "Qwen3VLVideoProcessor"),
 }
 ROUND_TRIP = [f for f in FAMILIES if f not in STAND_IN]
 NEW_TOKENS = 16

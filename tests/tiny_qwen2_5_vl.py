@@ -87,11 +87,15 @@ class TinyQwenVideoProcessor(VideoProcessorMixin):
             out["video_metadata"] = metadata
         return out
 
+    def resized(self, n_frames: int, height: int, width: int) -> tuple[int, int]:
+        """(height, width) every frame of an `n_frames` clip is resized to: Qwen2-VL's per-frame pixel budget."""
+        return smart_resize(height, width, factor=self.patch_size * self.merge_size,
+                            min_pixels=self.size["shortest_edge"], max_pixels=self.size["longest_edge"])
+
     def _clip(self, frames: list[Image.Image]) -> tuple[np.ndarray, list[int]]:
         p, m, tp = self.patch_size, self.merge_size, self.temporal_patch_size
         w0, h0 = frames[0].size
-        h, w = smart_resize(h0, w0, factor=p * m, min_pixels=self.size["shortest_edge"],
-                            max_pixels=self.size["longest_edge"])
+        h, w = self.resized(len(frames), h0, w0)
         arr = np.stack([np.asarray(f.convert("RGB").resize((w, h), Image.BICUBIC), dtype=np.float32) for f in frames])
         arr = (arr / 255.0 - np.array(self.image_mean, np.float32)) / np.array(self.image_std, np.float32)
         arr = arr.transpose(0, 3, 1, 2)  # [T, C, H, W]
