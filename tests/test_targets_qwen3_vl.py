@@ -12,6 +12,7 @@ from families import FAMILIES, build_target
 from mmspec_ray.targets import Request, TargetError
 from mmspec_ray.targets.base import media_runs
 from mmspec_ray.targets.qwen3_vl import Qwen3VLMoeTarget, Qwen3VLTarget
+from target_checks import check_ar_equals_hf, check_verify_matches_paths
 from tiny import random_images
 
 TOKENS_PER_IMAGE = 9  # 96 px -> 48 px -> 6x6 patches of 8 px -> 3x3 after the 2x2 merge
@@ -102,6 +103,17 @@ def test_deepstack_features_reach_the_prefill(target):
             merger.bias.copy_(saved[1])
     assert torch.equal(with_ds[0, :first], without[0, :first])
     assert not torch.allclose(with_ds[0, first], without[0, first])
+
+
+def test_an_image_and_a_clip_together(target):
+    """Both media kinds in one prompt (DeepStack features of both merged by position): tree verify == each path,
+    AR == HF generate, varied."""
+    req = Request(prompt="compare them", images=tuple(random_images(1, seed=6)),
+                  videos=(tuple(random_images(4, seed=7)),))
+    inputs = target.encode(req)
+    assert "image_grid_thw" in inputs and "video_grid_thw" in inputs
+    check_verify_matches_paths(target, req, n=14)
+    assert len(set(check_ar_equals_hf(target, req, max_new_tokens=32))) >= 8
 
 
 def test_refusals_name_the_fix(target):
