@@ -466,6 +466,8 @@ def test_processor_side_from_saved_configs(tmp_path):
     anyres = {"size": {"shortest_edge": 384}, "image_grid_pinpoints": [[384, 768], [768, 384], [2304, 2304]]}
     idefics = {"size": {"longest_edge": 1456}, "max_image_size": {"longest_edge": 364}}
     assert [max_side_of([c]) for c in (clip, qwen, anyres, idefics)] == [336, 3584, 2304, 1456]
+    qwen3 = {"size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": 16}  # both pixel counts
+    assert max_side_of([qwen3]) == 4096
     assert max_side_of([{"image_processor": clip}]) == 336 and max_side_of([{"foo": 1}]) is None
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(clip))
     cfg = resolve_image_side(DecodeConfig(target=str(tmp_path)))

@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 _SIDE_KEYS = ("shortest_edge", "longest_edge", "height", "width")
-_PIXELS = 65_536  # a "side" above this is a pixel count (Qwen2-VL keeps min/max pixels under size.*_edge)
+_PIXELS = 65_536  # a "side" from this up is a pixel count (Qwen2-VL keeps min/max pixels under size.*_edge; Qwen3-VL's
+# minimum is exactly 256 x 256 = 65536)
 
 
 PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
@@ -40,4 +41,4 @@ def _sides(d: dict[str, Any]) -> list[int]:
     pins = d.get("image_grid_pinpoints")
     if isinstance(pins, list) and pins:
         out.append(max(int(x) for p in pins for x in p))
-    return [int(x ** 0.5) if x > _PIXELS else x for x in out if x > 0]
+    return [int(x ** 0.5) if x >= _PIXELS else x for x in out if x > 0]
