@@ -67,6 +67,14 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
         "two_images": Request(prompt="what is there", images=(_WIDE, random_images(1, seed=2)[0])),
         "video": Request(prompt="what is happening", videos=(tuple(random_images(3, seed=3)),)),  # sent as frames
     }, commit_on=("image", "two_images", "video")),
+    _family("llava_next_video", "tiny_llava_next_video", "tiny_llava_next_video", {
+        "text": TEXT,
+        "image": Request(prompt="describe the image", images=(_WIDE,)),  # anyres: 16 base + 6x8 grid + 6 newlines
+        "two_images": Request(prompt="what is there", images=(random_images(1, seed=2)[0], _WIDE)),
+        "video": Request(prompt="what is happening", videos=(tuple(random_images(4, seed=3)),)),  # native video
+        "image_and_video": Request(prompt="what is there and what is happening", images=(_SQUARE,),
+                                   videos=(tuple(random_images(3, seed=4)),)),
+    }, commit_on=("image", "video", "image_and_video")),
     _family("llava_onevision", "tiny_llava_onevision", "tiny_llava_onevision", {
         "text": TEXT,
         "image": Request(prompt="describe the image", images=(_WIDE,)),  # one image: anyres

@@ -23,6 +23,7 @@ from tiny import random_images, tiny_llava, tiny_tokenizer
 # Families whose tiny processor is a torchvision-free stand-in subclass (see the tiny builders), with the stock
 # processor / video processor classes a real checkpoint of that family names in processor_config.json.
 STAND_IN = {
+    "llava_next_video": ("LlavaNextVideoProcessor", "LlavaNextVideoVideoProcessor"),
     "llava_onevision": ("LlavaOnevisionProcessor", "LlavaOnevisionVideoProcessor"),
     "qwen2_5_vl": ("Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor"),
     "qwen2_vl": ("Qwen2VLProcessor", "Qwen2VLVideoProcessor"),

@@ -27,6 +27,15 @@ def check_processor_parts(processor: Any, request: Request, family: str, frames_
                           "clip's frames as images")
 
 
+def check_equal_clips(request: Request, family: str) -> None:
+    """Families that stack every clip of a request into one [videos, frames, C, H, W] tensor need equal frame
+    counts."""
+    lengths = sorted({len(clip) for clip in request.videos})
+    if len(lengths) > 1:
+        raise TargetError(f"{family} targets need every clip of a request to have the same number of frames (got "
+                          f"{lengths}); sample the clips to equal frame counts or send them one per request")
+
+
 class LlavaNextTarget(VLMTarget):
     """LLaVA-NeXT adapter: anyres images; clips are sent as frames (one tiled image per frame)."""
 

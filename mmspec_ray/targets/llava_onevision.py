@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from mmspec_ray.targets.base import Request, TargetError, VLMTarget, media_runs, split_run
-from mmspec_ray.targets.llava_next import check_processor_parts
+from mmspec_ray.targets.base import Request, VLMTarget, media_runs, split_run
+from mmspec_ray.targets.llava_next import check_equal_clips, check_processor_parts
 
 
 class LlavaOnevisionTarget(VLMTarget):
@@ -28,11 +28,7 @@ class LlavaOnevisionTarget(VLMTarget):
     def check_request(self, request: Request) -> None:
         super().check_request(request)
         check_processor_parts(self.processor, request, self.family, frames_as_images=False)
-        lengths = sorted({len(clip) for clip in request.videos})
-        if len(lengths) > 1:  # the model takes all clips of a request as one [videos, frames, C, H, W] tensor
-            raise TargetError(f"{self.family} targets need every clip of a request to have the same number of "
-                              f"frames (got {lengths}); sample the clips to equal frame counts or send them one "
-                              "per request")
+        check_equal_clips(request, self.family)
 
     def processor_inputs(self, text: str, request: Request) -> dict[str, Any]:
         kw: dict[str, Any] = {"text": text, "return_tensors": "pt"}

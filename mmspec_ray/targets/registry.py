@@ -51,8 +51,8 @@ def families() -> dict[str, type[VLMTarget]]:
 
 
 # One module per family; each defines ADAPTERS, a tuple of VLMTarget subclasses.
-FAMILY_MODULES = ("llava", "llava_next", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3",
-                  "gemma3")
+FAMILY_MODULES = ("llava", "llava_next", "llava_next_video", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
+                  "idefics3", "gemma3")
 _BROKEN: dict[str, str] = {}  # family module -> why it could not be imported
 _loaded = False
 
