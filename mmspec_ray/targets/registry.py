@@ -53,6 +53,9 @@ def families() -> dict[str, type[VLMTarget]]:
 # One module per family; each defines ADAPTERS, a tuple of VLMTarget subclasses.
 FAMILY_MODULES = ("llava", "llava_next", "llava_next_video", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
                   "idefics3", "gemma3")
+# The generic adapter and its self-check (any other image-text-to-text checkpoint), imported on first use: its
+# self-check runs the decoding engine, which sits below this registry.
+GENERIC_MODULE = "mmspec_ray.targets.generic"
 _BROKEN: dict[str, str] = {}  # family module -> why it could not be imported
 _loaded = False
 
@@ -92,24 +95,44 @@ def adapter_for(model) -> type[VLMTarget]:
     return fam[mt]
 
 
-def wrap(model, processor, feature_layers: tuple[int, ...] = ()) -> VLMTarget:
-    """Adapter around an already loaded model + processor."""
-    return adapter_for(model)(model, processor, feature_layers)
+def generic_module():
+    """mmspec_ray.targets.generic: the generic adapter, `wrap_generic` and its self-check."""
+    return importlib.import_module(GENERIC_MODULE)
+
+
+def wrap(model, processor, feature_layers: tuple[int, ...] = (), generic: bool = False) -> VLMTarget:
+    """Adapter around an already loaded model + processor: its family's, else (or with `generic=True`) the generic
+    adapter, which must first pass its self-check (`targets/generic.py`)."""
+    if not generic and model.config.model_type in families():
+        return adapter_for(model)(model, processor, feature_layers)
+    mod = generic_module()
+    if not mod.is_image_text_to_text(model.config.model_type):
+        raise TargetError(not_generic(model.config.model_type))
+    return mod.wrap_generic(model, processor, feature_layers)
+
+
+def not_generic(model_type: str | None) -> str:
+    """The error text for a model type with no adapter that the generic adapter cannot take either."""
+    return (f"{unsupported(model_type)}; nor can the generic adapter take it: it loads image-text-to-text models "
+            "only, and transformers' AutoModelForImageTextToText has no class for this model type")
 
 
 def load_target(path_or_uri: str | Path, device: str = "cpu", dtype: str | torch.dtype | None = None,
-                feature_layers: tuple[int, ...] = (), s3: S3Config | None = None) -> VLMTarget:
+                feature_layers: tuple[int, ...] = (), s3: S3Config | None = None, generic: bool = False) -> VLMTarget:
     """Load a checkpoint (local directory or s3://bucket/prefix) with the stock Auto classes and wrap it.
     `device`: a torch device or "auto" (`resolve_device_name`); `dtype`: a torch dtype or a name (auto, float32,
-    bfloat16, float16; see `resolve_dtype`); None: float32."""
+    bfloat16, float16; see `resolve_dtype`); None: float32. A model type without an adapter of its own gets the
+    generic adapter if it is an image-text-to-text model whose processor has a chat template, and only once that
+    adapter has passed its self-check on this checkpoint; `generic=True` takes that path for any checkpoint."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     path = fetch_checkpoint(str(path_or_uri), s3)
     check_checkpoint(path)
     # Unsupported families fail here, before any weights are read (AutoModel's own error is a list of 100 classes).
     model_type = json.loads((path / "config.json").read_text()).get("model_type")
-    if model_type not in families():
-        raise TargetError(f"checkpoint {path}: {unsupported(model_type)}")
+    named = not generic and model_type in families()
+    if not named and not generic_module().is_image_text_to_text(model_type):
+        raise TargetError(f"checkpoint {path}: {not_generic(model_type)}")
     try:
         processor = AutoProcessor.from_pretrained(path)
     except Exception as e:  # ImportError / OSError / ValueError, depending on which sub-processor failed
@@ -125,10 +148,17 @@ def load_target(path_or_uri: str | Path, device: str = "cpu", dtype: str | torch
         raise TargetError(f"checkpoint {path}: AutoProcessor loaded only a {type(processor).__name__}, not a "
                           f"multimodal processor ({why}); save the stock processor next to the model "
                           "(processor.save_pretrained)")
+    if not named and not generic_module().chat_template_of(processor):
+        raise TargetError(f"checkpoint {path}: the generic adapter needs a chat template, and the "
+                          f"{type(processor).__name__} saved there has none; save one with the processor "
+                          f"(processor.chat_template), or use a supported family: {sorted(families())}")
     device = resolve_device_name(device)
     dtype = torch.float32 if dtype is None else resolve_dtype(dtype, device)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device)
-    target = wrap(model, processor, feature_layers)
+    try:
+        target = wrap(model, processor, feature_layers, generic=generic)
+    except TargetError as e:  # the same kind (a failed self-check stays SelfCheckFailed), naming the checkpoint
+        raise type(e)(f"checkpoint {path}: {e}") from e
     target.checkpoint = str(path)
     return target
 
@@ -136,10 +166,11 @@ def load_target(path_or_uri: str | Path, device: str = "cpu", dtype: str | torch
 def check_loadable(uri: str, s3: S3Config | None = None) -> CheckpointLayout:
     """What `load_target` would refuse, found from the file names, config and safetensors headers alone (no weights
     read, no download), so a job says it in one line before any actor starts: a missing config or weights, a
-    family without an adapter, no tokenizer or no image processor saved next to the model."""
+    model type that neither has an adapter nor is an image-text-to-text one (the generic adapter's), no tokenizer
+    or no image processor saved next to the model. The generic adapter's self-check runs when the target loads."""
     layout = read_layout(uri, s3)
-    if layout.model_type not in families():
-        raise TargetError(f"checkpoint {uri}: {unsupported(layout.model_type)}")
+    if layout.model_type not in families() and not generic_module().is_image_text_to_text(layout.model_type):
+        raise TargetError(f"checkpoint {uri}: {not_generic(layout.model_type)}")
     files = set(layout.files)
     if not files & {"tokenizer.json", "tokenizer_config.json", "tokenizer.model"}:
         raise TargetError(f"checkpoint {uri} has no tokenizer files; save the processor next to the model "
