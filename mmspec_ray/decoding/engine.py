@@ -171,7 +171,9 @@ class SpecEngine:
                 break
             if keep and news:  # what the drafter reads before its next proposal
                 pending += tree.tokens[keep].tolist()
-                pending_feats.append(target_features(d, v)[0, keep])
+                feats = target_features(d, v)[0]
+                prefix = keep == list(range(len(keep)))  # a chain's path (a plain step's root): a view, no copy
+                pending_feats.append(feats[:len(keep)] if prefix else feats[keep])
             root = nxt
         if self.calibrator is not None:
             self.calibrator.end_request()

@@ -137,7 +137,7 @@ class RequestGuard:
 
     def next_tree(self, generated: int) -> TreeConfig:
         """The tree of the coming cycle, `generated` answer tokens in."""
-        if self.guard.step_s is None or generated < self.defer:  # the yardstick first; then a short kind's answers
+        if len(self.guard.steps) < YARDSTICK or generated < self.defer:  # the yardstick first; a short kind's answers
             return PLAIN
         if self.level == self.plain_level and self.plain_level > 0 and self.plain_run >= self.memory.backoff:
             self._move(self.plain_level - 1, generated)
