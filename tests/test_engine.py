@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-import numpy as np
 import pytest
 import torch
 
@@ -22,6 +21,7 @@ from mmspec_ray.decoding.engine import AREngine, SpecEngine
 from mmspec_ray.decoding.sampling import warp
 from mmspec_ray.decoding.tree import DraftTree, TreeConfig, depths
 from mmspec_ray.targets import Request, wrap
+from mmspec_ray.targets.generic import BushyOracle
 from families import FAMILIES, build_target  # a family whose builder module is absent is reported, not hidden
 from test_accept import chi2_critical, chi2_stat
 from tiny import random_images
@@ -30,40 +30,11 @@ VIDEO_FAMILIES = {"llava", "llava_next_video", "llava_onevision", "qwen2_5_vl", 
 TREE = TreeConfig(top_k=4, depth=4, total_tokens=20)
 
 
-class PerturbedOracle:
-    """Test drafter: a random bushy tree that hides the true continuation (random length, random sibling rank)
-    among distractors, so acceptance stops at arbitrary depths and commits non-chain node sets."""
-
-    name = "perturbed-oracle"
-
-    def __init__(self, answer: list[int], vocab: int, seed: int = 0) -> None:
-        self.answer, self.vocab = answer, vocab
-        self.rng = np.random.default_rng(seed)
-        self.pos = 0
-
-    def begin(self, target, prefill, root: int) -> None:
-        self.pos = 0
-
-    def propose(self, root: int, cfg: TreeConfig) -> DraftTree:
-        k = int(self.rng.integers(0, 5))
-        true = self.answer[self.pos + 1:self.pos + 1 + k]
-        if self.rng.random() < 0.3 and true:  # corrupt one token: acceptance must stop there
-            j = int(self.rng.integers(0, len(true)))
-            true = true[:j] + [(true[j] + 1) % self.vocab]
-        tokens, parents, scores = [root], [-1], [0.0]
-        chain = [0]
-        for t in true:
-            for _ in range(int(self.rng.integers(0, 3))):  # distractor siblings before/after the true child
-                d = int(self.rng.integers(0, self.vocab))
-                if d != t and d not in [tokens[i] for i in range(len(tokens)) if parents[i] == chain[-1]]:
-                    tokens.append(d); parents.append(chain[-1]); scores.append(float(-self.rng.random()))
-            tokens.append(t); parents.append(chain[-1]); scores.append(float(-self.rng.random()))
-            chain.append(len(tokens) - 1)
-        par = torch.tensor(parents)
-        return DraftTree(torch.tensor(tokens), par, depths(par), torch.tensor(scores))
-
-    def observe(self, tokens: list[int], hidden: torch.Tensor, bonus: int) -> None:
-        self.pos += len(tokens)
+def perturbed_oracle(answer: list[int], vocab: int, seed: int = 0) -> BushyOracle:
+    """Test drafter: a random bushy tree that hides the true continuation (random length, random sibling rank, one
+    token corrupted 30 % of the time) among distractors, so acceptance stops at arbitrary depths and commits
+    non-chain node sets (the generic adapter's self-check drafter, `targets/generic.py`)."""
+    return BushyOracle(answer, vocab, seed=seed, corrupt=0.3)
 
 
 def specflash_tree(target) -> SpecFlashDrafter:
@@ -114,7 +85,7 @@ def test_greedy_spec_equals_ar_equals_hf_for_every_drafter(family_target):
             "ngram": NgramDrafter(),  # proposes after a 2-token match
             "ngram-1": NgramDrafter(min_ngram=1),  # and after any single-token match: longer chains, more rejections
             "oracle": OracleDrafter(ar.token_ids),
-            **{f"perturbed-{s}": PerturbedOracle(ar.token_ids, target.vocab_size, seed=s) for s in range(3)},
+            **{f"perturbed-{s}": perturbed_oracle(ar.token_ids, target.vocab_size, seed=s) for s in range(3)},
         }
         for dname, d in drafters.items():
             g = SpecEngine(target, d, TREE).generate(req, max_new_tokens=40)
@@ -178,6 +149,17 @@ class PeekDrafter:
 
     def observe(self, tokens: list[int], hidden: torch.Tensor, bonus: int) -> None:
         self.ids += tokens[1:] + [bonus]
+
+
+def target_three_token_distribution(target, req: Request, params: SamplingParams) -> dict[tuple[int, ...], float]:
+    """Exact probability of every 3-token answer of `target` to the text request `req`, sampled with `params`."""
+    prompt_ids = target.encode(req)["input_ids"][0].tolist()
+
+    def dist(prefix: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return warp(target.model(input_ids=torch.tensor([prompt_ids + prefix])).logits[0, -1], params)
+
+    return three_token_distribution(dist)
 
 
 def three_token_distribution(dist) -> dict[tuple[int, ...], float]:
@@ -273,13 +255,7 @@ def test_sampling_output_distribution_equals_the_target(tmp_path):
     target = wrap(*tiny_llava(init=0.08))  # flatter logits: several tokens per step carry real mass
     params = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
     req = Request(prompt="describe the image")
-    prompt_ids = target.encode(req)["input_ids"][0].tolist()
-
-    def dist(prefix: list[int]) -> torch.Tensor:
-        with torch.inference_mode():
-            return warp(target.model(input_ids=torch.tensor([prompt_ids + prefix])).logits[0, -1], params)
-
-    probs = three_token_distribution(dist)
+    probs = target_three_token_distribution(target, req, params)
     assert len(probs) >= 8  # the test distribution is not degenerate
     n = 1500
     eng = SpecEngine(target, PeekDrafter(target), TreeConfig(top_k=3, depth=1, total_tokens=4))
@@ -311,6 +287,6 @@ def test_sliding_window_decoder_stays_lossless_past_the_window(window_layers):
     full = AREngine(wrap(*tiny_llava_onevision())).generate(req, max_new_tokens=30)  # same weights, no window
     assert full.token_ids != ar.token_ids  # the window really changes the answer
     for s in range(3):
-        g = SpecEngine(target, PerturbedOracle(ar.token_ids, target.vocab_size, seed=s), TREE).generate(
+        g = SpecEngine(target, perturbed_oracle(ar.token_ids, target.vocab_size, seed=s), TREE).generate(
             req, max_new_tokens=30)
         assert g.token_ids == hf.tolist(), s

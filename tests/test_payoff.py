@@ -5,6 +5,7 @@ chi-square test), and that under a drafter that is always wrong it falls back to
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
 
 import pytest
@@ -19,7 +20,7 @@ from mmspec_ray.drafters.eagle import Eagle2Drafter
 from mmspec_ray.targets import Request, wrap
 from families import FAMILIES, build_target
 from test_accept import chi2_critical, chi2_stat
-from test_engine import PeekDrafter, requests_for, three_token_distribution
+from test_engine import PeekDrafter, requests_for, target_three_token_distribution
 
 TREE = TreeConfig(top_k=4, depth=4, total_tokens=20)
 
@@ -185,6 +186,9 @@ class ShuffledGuard(PayoffGuard):
         return Shuffled(self, tree, self.kinds.setdefault(kind, KindMemory()))
 
 
+DRAFT_S = 0.002  # the always-wrong drafter's cost per proposal: ~4 tiny-target steps, far above timing noise
+
+
 class WrongDrafter:
     """Knows the answer and proposes, at the full tree size, a chain that is wrong from its first token (each the
     true token's id + 1): every cycle wastes its drafting and its wider verify."""
@@ -198,6 +202,7 @@ class WrongDrafter:
         self.pos = 0
 
     def propose(self, root: int, cfg: TreeConfig) -> DraftTree:
+        time.sleep(DRAFT_S)  # a drafter's forwards cost something: a drafted cycle is surely slower than a plain step
         true = (self.answer + [0] * cfg.total_tokens)[self.pos + 1:self.pos + cfg.total_tokens]
         return DraftTree.chain([root] + [(t + 1) % self.vocab for t in true])
 
@@ -243,15 +248,7 @@ def test_sampling_under_a_shuffling_guard_keeps_the_target_distribution():
     target = wrap(*tiny_llava(init=0.08))
     params = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
     req = Request(prompt="describe the image")
-    prompt_ids = target.encode(req)["input_ids"][0].tolist()
-
-    def dist(prefix: list[int]) -> torch.Tensor:
-        from mmspec_ray.decoding.sampling import warp
-
-        with torch.inference_mode():
-            return warp(target.model(input_ids=torch.tensor([prompt_ids + prefix])).logits[0, -1], params)
-
-    probs = three_token_distribution(dist)
+    probs = target_three_token_distribution(target, req, params)
     n = 1500
     eng = SpecEngine(target, PeekDrafter(target), TreeConfig(top_k=3, depth=1, total_tokens=4),
                      guard=ShuffledGuard(0))

@@ -19,13 +19,12 @@ from safetensors.torch import save_file
 from mmspec_ray.cli import main as cli_main
 from mmspec_ray.config import SamplingParams
 from mmspec_ray.decoding.engine import AREngine, SpecEngine
-from mmspec_ray.decoding.sampling import warp
 from mmspec_ray.decoding.tree import TreeConfig
 from mmspec_ray.drafters.base import load_drafter
 from mmspec_ray.drafters.released import recognise
 from mmspec_ray.targets import Request, wrap
 from test_accept import chi2_critical, chi2_stat
-from test_engine import three_token_distribution
+from test_engine import target_three_token_distribution
 from tiny import random_images, tiny_llava
 from tiny_qwen2_5_vl import tiny_qwen2_5_vl
 
@@ -331,13 +330,7 @@ def test_a_released_eagle3_head_samples_the_target_distribution(tmp_path):
     target = wrap(*tiny_llava(init=0.08))  # flatter logits: several tokens per step carry real mass
     params = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
     req = Request(prompt="describe the image")
-    prompt_ids = target.encode(req)["input_ids"][0].tolist()
-
-    def dist(prefix: list[int]) -> torch.Tensor:
-        with torch.inference_mode():
-            return warp(target.model(input_ids=torch.tensor([prompt_ids + prefix])).logits[0, -1], params)
-
-    probs = three_token_distribution(dist)
+    probs = target_three_token_distribution(target, req, params)
     assert len(probs) >= 8
     seen = sorted({t for answer in probs for t in answer})
     used = torch.tensor(seen + [t for t in range(target.vocab_size) if t not in seen][:max(0, 12 - len(seen))])

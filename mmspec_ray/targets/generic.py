@@ -100,12 +100,13 @@ def describe(request: Request) -> str:
 class BushyOracle:
     """Probe drafter: each cycle a random tree that hides the known answer's next 0..depth tokens among distractor
     siblings (some with a child of their own), so acceptance stops at any depth and commits paths that are not the
-    tree's first nodes."""
+    tree's first nodes. `corrupt`: the chance that one of the hidden tokens is changed, so acceptance stops there
+    (the engine's tests use it)."""
 
     name = "self-check"
 
-    def __init__(self, answer: list[int], vocab: int, seed: int = 0) -> None:
-        self.answer, self.vocab = answer, vocab
+    def __init__(self, answer: list[int], vocab: int, seed: int = 0, corrupt: float = 0.0) -> None:
+        self.answer, self.vocab, self.corrupt = answer, vocab, corrupt
         self.rng = np.random.default_rng(seed)
         self.pos = 0
 
@@ -116,6 +117,9 @@ class BushyOracle:
         from mmspec_ray.decoding.tree import DraftTree, depths
 
         true = self.answer[self.pos + 1:self.pos + 1 + int(self.rng.integers(0, cfg.depth + 1))]
+        if true and self.corrupt and self.rng.random() < self.corrupt:
+            j = int(self.rng.integers(0, len(true)))
+            true = true[:j] + [(true[j] + 1) % self.vocab]
         tokens, parents = [root], [-1]
         at = 0  # the chain node the next true token hangs under
         for t in true:
