@@ -19,7 +19,7 @@ from mmspec_ray.decoding.engine import AREngine, SpecEngine
 from mmspec_ray.decoding.processors import UnsupportedGenerationConfig, effective_generation_config, resolve_sampling
 from mmspec_ray.decoding.tree import TreeConfig
 from mmspec_ray.targets import Request, wrap
-from test_engine import PerturbedOracle
+from test_engine import perturbed_oracle
 from test_engine_paths import check_deep_sampling
 from tiny import tiny_llava
 
@@ -64,7 +64,7 @@ def test_greedy_with_a_penalised_generation_config_equals_hf_for_every_drafter(p
         assert ar.token_ids == hf, (family.name, name)
         changed += ar.token_ids != AREngine(plain).generate(req, max_new_tokens=NEW).token_ids
         for drafter in (Eagle2Drafter.random(target, seed=1), NgramDrafter(), OracleDrafter(hf),
-                        PerturbedOracle(hf, target.vocab_size, seed=3)):
+                        perturbed_oracle(hf, target.vocab_size, seed=3)):
             g = SpecEngine(target, drafter, TREE).generate(req, SamplingParams(temperature=0.0), max_new_tokens=NEW)
             assert g.token_ids == hf, (family.name, name, drafter.name)
     assert changed >= len(family.requests) // 2, "the penalty changed too few answers to test anything"
@@ -81,7 +81,7 @@ def test_no_repeat_ngrams_and_min_new_tokens_follow_hf():
     hf = _hf(target, req, do_sample=False)
     assert len(hf) >= 12 and hf != plain[:len(hf)]
     assert len(set(zip(hf, hf[1:]))) == len(hf) - 1  # no bigram twice
-    for drafter in (None, Eagle2Drafter.random(target, seed=4), OracleDrafter(hf), PerturbedOracle(hf, target.vocab_size, seed=1)):
+    for drafter in (None, Eagle2Drafter.random(target, seed=4), OracleDrafter(hf), perturbed_oracle(hf, target.vocab_size, seed=1)):
         eng = AREngine(target) if drafter is None else SpecEngine(target, drafter, TREE)
         assert eng.generate(req, max_new_tokens=NEW).token_ids == hf
 
