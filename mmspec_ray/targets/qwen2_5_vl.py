@@ -22,6 +22,7 @@ class Qwen25VLTarget(VLMTarget):
     """Qwen2.5-VL: images and native video (a clip goes to the video processor as its list of frames)."""
 
     family = "qwen2_5_vl"
+    display_name = "Qwen2.5-VL"  # how refusals name the family
     model_types = ("qwen2_5_vl",)
     takes_video = True
 
@@ -42,11 +43,11 @@ class Qwen25VLTarget(VLMTarget):
                 raise TargetError(f"video {i} mixes frame sizes {sorted(sizes)}; resize its frames to one size")
             self._check_frame(clip[0].size, f"video {i}")
 
-    @staticmethod
-    def _check_frame(size: tuple[int, int], what: str) -> None:
+    @classmethod
+    def _check_frame(cls, size: tuple[int, int], what: str) -> None:
         w, h = size
         if min(w, h) < 1 or max(w, h) / min(w, h) > MAX_ASPECT_RATIO:
-            raise TargetError(f"{what} is {w}x{h}: Qwen2.5-VL takes images with an aspect ratio up to "
+            raise TargetError(f"{what} is {w}x{h}: {cls.display_name} takes images with an aspect ratio up to "
                               f"{MAX_ASPECT_RATIO}:1; crop or pad it")
 
     @torch.inference_mode()

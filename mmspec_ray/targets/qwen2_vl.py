@@ -13,6 +13,7 @@ class Qwen2VLTarget(Qwen25VLTarget):
     """Qwen2-VL: images and native video, M-RoPE positions as Qwen2.5-VL."""
 
     family = "qwen2_vl"
+    display_name = "Qwen2-VL"
     model_types = ("qwen2_vl",)
 
 

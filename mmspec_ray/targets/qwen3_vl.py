@@ -23,13 +23,14 @@ from typing import Any
 import torch
 
 from mmspec_ray.targets.base import Request, TargetError, media_runs
-from mmspec_ray.targets.qwen2_5_vl import MAX_ASPECT_RATIO, Qwen25VLTarget
+from mmspec_ray.targets.qwen2_5_vl import Qwen25VLTarget
 
 
 class Qwen3VLTarget(Qwen25VLTarget):
     """Qwen3-VL (dense and MoE): images and native video, 3-axis interleaved M-RoPE, DeepStack at prefill."""
 
     family = "qwen3_vl"
+    display_name = "Qwen3-VL"
     model_types = ("qwen3_vl",)
 
     def check_request(self, request: Request) -> None:
@@ -41,13 +42,6 @@ class Qwen3VLTarget(Qwen25VLTarget):
             if len(clip) < need:
                 raise TargetError(f"video {i} has {len(clip)} frame(s): Qwen3-VL takes clips of at least {need} "
                                   "frames; send more frames, or send a single frame as an image")
-
-    @staticmethod
-    def _check_frame(size: tuple[int, int], what: str) -> None:
-        w, h = size
-        if min(w, h) < 1 or max(w, h) / min(w, h) > MAX_ASPECT_RATIO:
-            raise TargetError(f"{what} is {w}x{h}: Qwen3-VL takes images with an aspect ratio up to "
-                              f"{MAX_ASPECT_RATIO}:1; crop or pad it")
 
     def _frames_per_group(self) -> int:
         video = getattr(self.processor, "video_processor", None)
@@ -74,6 +68,7 @@ class Qwen3VLMoeTarget(Qwen3VLTarget):
     """Qwen3-VL MoE: the dense adapter under its own model type (the sparse text MLPs are inside the model)."""
 
     family = "qwen3_vl_moe"
+    display_name = "Qwen3-VL"
     model_types = ("qwen3_vl_moe",)
 
 
