@@ -121,7 +121,7 @@ class SpecEngine:
                     pending, pending_feats = [], []
                 observe_s = time.perf_counter() - to
             tprop = time.perf_counter()
-            fitted = self._fit(room, tracker.remaining, cycle_tree, probing)
+            fitted = self._fit(room, tracker.remaining, cycle_tree, probing) if drafting else PLAIN
             tree = DraftTree.chain([root]) if not drafting else (
                 d.propose(root, fitted).truncate(tracker.remaining - 1)  # deeper: never emitted
                 .head(room))  # the verified tree must fit the context

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 NEW_TOKENS = 16  # answer tokens the probe compares
 TREE_NODES = 12  # nodes of the random tree verified against each of its paths
 # relative top-2 logit gap under which a different greedy choice is rounding, not a bug (as the engine's tie guard)
-NEAR_TIE = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -5, torch.float16: 2.0 ** -7}
+FLOAT32_TIE = 1e-5  # float32 near-tie for the probe's comparisons; half precision takes the engine's TIE_MARGIN
 LOGIT_RTOL = 1e-3  # float32: tree vs path logits, relative to the largest logit (summation order moves ~1e-6)
 
 
@@ -250,8 +250,10 @@ def _tree_vs_paths(target: VLMTarget, inputs: dict, probe: str, rng: np.random.G
 
 def _near_tie(scores: torch.Tensor, want: int, got: int, dtype: torch.dtype) -> bool:
     """`got` lost to `want` by less than the dtype's rounding (relative to the top score)."""
+    from mmspec_ray.decoding.engine import TIE_MARGIN
+
     gap = float(scores[want] - scores[got])
-    return abs(gap) < NEAR_TIE.get(dtype, 2.0 ** -5) * max(1.0, abs(float(scores[want])))
+    return abs(gap) < TIE_MARGIN.get(dtype, FLOAT32_TIE) * max(1.0, abs(float(scores[want])))
 
 
 def _difference(target: VLMTarget, answer: list[int], ours: list[int], i: int | None) -> str:
