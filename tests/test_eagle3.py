@@ -5,11 +5,13 @@ in the released SafeAILab layout by this file's own writer loads back with the s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
+from mmspec_ray.decoding.engine import AREngine
 from mmspec_ray.decoding.tree import TreeConfig
 from mmspec_ray.drafters.base import load_drafter
 from mmspec_ray.drafters.eagle3 import Eagle3Drafter, default_feature_layers, frequent_tokens
@@ -188,3 +190,60 @@ def test_features_without_the_three_layers_are_refused_by_name(tmp_path):
     plain = load_features(generate_features(target, image_requests(2), DatagenRecipe(max_new_tokens=6), tmp_path / "f"))
     with pytest.raises(ValueError, match=r"eagle3 training needs \['aux'\]"):
         train_drafter(Eagle3Method(), target, plain, tmp_path / "d", TrainConfig(epochs=1))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_mrope_rotary_is_the_targets_own(family):
+    """The head's M-RoPE (chunked sections on Qwen2.5-VL, interleaved on Qwen3-VL) rotates exactly as the target's
+    own rotary embedding does, at 3-axis position ids that differ per axis."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb
+
+    from mmspec_ray.drafters.layers import rotary
+
+    target = build_target(family)
+    cfg = Eagle3Drafter.random(target).head.cfg
+    assert cfg.mrope_section and cfg.mrope_interleaved == (family == "qwen3_vl")
+    layer = Eagle3Drafter.random(target).head.layer
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 11, layer.head_dim, generator=g)
+    pos = torch.randint(0, 40, (3, 1, 11), generator=g)
+    cos, sin = target.model.model.language_model.rotary_emb(q, pos)
+    want, _ = apply_rotary_pos_emb(q, q, cos, sin)
+    torch.testing.assert_close(rotary(q, pos, cfg.rope_theta, layer.axes), want, atol=1e-5, rtol=1e-5)
+    equal = pos[:1].expand(3, -1, -1)  # equal axes: plain 1-D RoPE
+    torch.testing.assert_close(rotary(q, equal, cfg.rope_theta, layer.axes), rotary(q, pos[0], cfg.rope_theta))
+
+
+@pytest.mark.parametrize("family,request_name", [("qwen2_5_vl", "video"), ("qwen2_5_vl", "image"),
+                                                 ("qwen3_vl", "two_images")])
+def test_mrope_head_drafts_at_the_positions_it_trains_at(family, request_name):
+    """Train / draft parity of positions on an M-RoPE target: the drafter's outputs after `begin` (prompt entries
+    at the target's 3-axis ids) and after observing answer tokens (generated entries at the target's rope delta)
+    equal the teacher-forced training forward over the stored example (`positions` from data generation), entry
+    for entry. A head placed at 1-D slot ids instead differs (checked)."""
+    from mmspec_ray.drafters.layers import causal_pad_mask
+    from mmspec_ray.training.datagen import extend_inputs, featurize
+
+    target = build_target(family)
+    d = Eagle3Drafter.random(target, seed=3, std=0.3)
+    req = FAMILIES[family].requests[request_name]
+    answer = AREngine(target).generate(req, max_new_tokens=6).token_ids
+    ex = featurize(target, req, answer, DatagenRecipe(aux_features=True, dtype="float32"))
+    assert ex.positions is not None and ex.positions.shape == (3, ex.input_ids.shape[0])
+    with torch.inference_mode():  # the three layers in float32 (stored in bfloat16), so both sides read the same
+        ex = dataclasses.replace(ex, aux=d.features(target.prefill(extend_inputs(target.encode(req), answer)))[0])
+    method = Eagle3Method(ttt_steps=1)
+    batch = method.collate([ex], [0], 0.0, torch.Generator())
+    with torch.no_grad():
+        train = d.head(batch["emb"], batch["feat"], batch["pos"], causal_pad_mask(batch["valid"]))[0]
+        slots = torch.arange(batch["emb"].shape[1])[None]
+        flat = d.head(batch["emb"], batch["feat"], slots, causal_pad_mask(batch["valid"]))[0]
+    n = ex.n_prompt
+    with torch.inference_mode():
+        pre = target.prefill(target.encode(req))
+        d.begin(target, pre, answer[0])
+        torch.testing.assert_close(d.last[0], train[n - 1], atol=1e-4, rtol=1e-4)
+        assert not torch.allclose(d.last[0], flat[n - 1], atol=1e-3)  # the ids matter here
+        for k in range(1, 4):  # accept answer[k - 1] (already the root) with its features, bonus answer[k]
+            d.observe([answer[k - 1]], ex.aux[n + k - 1:n + k].to(target.dtype), answer[k])
+            torch.testing.assert_close(d.last[0], train[n - 1 + k], atol=1e-4, rtol=1e-4)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -65,7 +66,8 @@ def eagle3_tensors(dm: dict, vd: int, seed: int, std: float = 0.3,
 
 
 def write_eagle3(path: Path, target, layout: str, vd: int, seed: int = 0, aux: list[int] | None = None,
-                 used: torch.Tensor | None = None, rope_theta: float | None = None) -> dict:
+                 used: torch.Tensor | None = None, rope_theta: float | None = None,
+                 rope_scaling: dict | None = None) -> dict:
     """A head in `layout` ('safeailab': pytorch_model.bin, fp16, the traineagle3 config template with no rope_theta;
     'specforge': model.safetensors, architectures LlamaForCausalLMEagle3, bf16)."""
     dm = dims(target)
@@ -76,6 +78,8 @@ def write_eagle3(path: Path, target, layout: str, vd: int, seed: int = 0, aux: l
     path.mkdir(parents=True, exist_ok=True)
     if rope_theta is not None:
         cfg["rope_theta"] = rope_theta
+    if rope_scaling is not None:
+        cfg["rope_scaling"] = rope_scaling
     if layout == "safeailab":
         cfg.update(architectures=["LlamaForCausalLM"], torch_dtype="float16")
         half = {k: v.half() if v.is_floating_point() else v for k, v in state.items()}
@@ -148,9 +152,11 @@ def rope(x: torch.Tensor, theta: float = 10000.0, positions: torch.Tensor | None
 
 
 def reference_layer(s: dict, prefix: str, x_attn: torch.Tensor, residual: torch.Tensor, dm: dict,
-                    theta: float = 10000.0, positions: torch.Tensor | None = None) -> torch.Tensor:
+                    theta: float = 10000.0, positions: torch.Tensor | None = None,
+                    rotate: "Callable[[torch.Tensor], torch.Tensor] | None" = None) -> torch.Tensor:
     """One Llama decoder layer as the authors' code runs it: q/k/v read `x_attn`, causal attention with RoPE at
-    positions 0..T-1, o_proj added to `residual`, post-attention norm, SwiGLU MLP, residual."""
+    positions 0..T-1 (or `rotate`, [H, T, hd] -> the same rotated), o_proj added to `residual`, post-attention
+    norm, SwiGLU MLP, residual."""
     T, H, KV = x_attn.shape[0], dm["H"], dm["KV"]
     hd = dm["d"] // H
     def proj(p, heads):
@@ -160,7 +166,7 @@ def reference_layer(s: dict, prefix: str, x_attn: torch.Tensor, residual: torch.
         return out.view(T, heads, hd).transpose(0, 1)
 
     q, k, v = proj("q", H), proj("k", KV), proj("v", KV)
-    q, k = rope(q, theta, positions), rope(k, theta, positions)
+    q, k = (rotate(q), rotate(k)) if rotate else (rope(q, theta, positions), rope(k, theta, positions))
     k, v = k.repeat_interleave(H // KV, 0), v.repeat_interleave(H // KV, 0)
     att = torch.softmax((q @ k.transpose(-1, -2)) / hd ** 0.5 + torch.full((T, T), float("-inf")).triu(1), -1) @ v
     h = residual + att.transpose(0, 1).reshape(T, -1) @ s[f"{prefix}self_attn.o_proj.weight"].float().T
@@ -177,24 +183,46 @@ def prompt_states(target, req: Request):
     return inputs["input_ids"][0], [h[0].float() for h in out.hidden_states], int(out.logits[0, -1].argmax())
 
 
-def check_eagle3_reference(target, path: Path, state: dict, layers: list[int], theta: float) -> None:
+def specforge_mrope(target, req: Request, tokens: torch.Tensor) -> "Callable[[torch.Tensor], torch.Tensor]":
+    """SpecForge's M-RoPE for a Qwen2.5-VL head: the target's `get_rope_index` over the left-shifted input ids
+    (`tokens`, [n]), applied by the target's own rotary embedding (the head's config repeats its sections)."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb
+
+    inputs = target.encode(req)
+    model = target.model.model
+    mm = torch.cat([inputs["mm_token_type_ids"][0, 1:], torch.zeros(1, dtype=inputs["mm_token_type_ids"].dtype)])
+    grids = {k: v for k, v in inputs.items() if k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")}
+    pos, _ = model.get_rope_index(tokens[None], mm_token_type_ids=mm[None], **grids)
+    assert not torch.equal(pos[0], pos[1])  # media: the axes differ
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        cos, sin = model.language_model.rotary_emb(x[None], pos)
+        return apply_rotary_pos_emb(x[None], x[None], cos, sin)[0][0]
+
+    return rotate
+
+
+def check_eagle3_reference(target, path: Path, state: dict, layers: list[int], theta: float,
+                           req: Request | None = None, mrope: bool = False) -> None:
     """The loaded head's first draft distribution equals an independent forward of the published wiring: features
     hs[low], hs[mid], hs[high] (HF hidden_states: the input of those layers) concatenated in that order, token x_{j+1}
     paired with h_j, media positions carrying their placeholder's token embedding, [input_layernorm(embedding);
-    hidden_norm(fc(h))], residual = fc(h), RoPE at `theta`, lm_head(norm(out)) over the draft vocabulary, target
-    id = i + d2t[i]."""
+    hidden_norm(fc(h))], residual = fc(h), RoPE at `theta` (`mrope`: SpecForge's M-RoPE ids), lm_head(norm(out))
+    over the draft vocabulary, target id = i + d2t[i]."""
     s = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
     drafter = load_drafter(str(path), target)
     assert drafter.layers == layers
     dm = dims(target)
-    req = image_request(7)
+    req = req or image_request(7)
     ids, hs, root = prompt_states(target, req)
     feats = torch.cat([hs[k] for k in layers], -1)
     tokens = torch.cat([ids[1:], torch.tensor([root])])
     emb = target.model.get_input_embeddings()(tokens).float().detach()
     h = feats @ s["fc.weight"].T
     x = torch.cat([rms(emb, s["midlayer.input_layernorm.weight"]), rms(h, s["midlayer.hidden_norm.weight"])], -1)
-    out = reference_layer(s, "midlayer.", x, h, dm, theta=theta)
+    with torch.inference_mode():
+        rotate = specforge_mrope(target, req, tokens) if mrope else None
+        out = reference_layer(s, "midlayer.", x, h, dm, theta=theta, rotate=rotate)
     want = torch.log_softmax(rms(out[-1], s["norm.weight"]) @ s["lm_head.weight"].T, -1)
     target_ids = torch.arange(len(s["d2t"])) + s["d2t"]
     with torch.inference_mode():
@@ -226,6 +254,23 @@ def test_eagle3_reads_the_low_mid_high_layers_at_its_layouts_rope_base(layout, t
     layers, theta = ([1, 6, 7], 1e6) if layout == "specforge" else ([2, 4, 5], 10000.0)
     check_eagle3_reference(target, tmp_path / "h", state, layers, theta)
     assert recognise(tmp_path / "h").describe()["rope_theta"] == theta
+
+
+def test_specforge_qwen_head_runs_at_the_targets_mrope_positions(tmp_path):
+    """A SpecForge Qwen2.5-VL head (`rope_scaling` mrope with the target's sections, as configs/qwen2-5-vl-eagle3.json)
+    rotates by the M-RoPE ids SpecForge trains it at: the target's `get_rope_index` over the left-shifted ids, on a
+    video and an image prompt; `inspect` says so."""
+    torch.manual_seed(0)
+    target = wrap(*tiny_qwen2_5_vl())
+    rope = target.text_config.rope_parameters
+    state = write_eagle3(tmp_path / "h", target, "specforge", vd=target.vocab_size // 2, seed=9,
+                         rope_theta=rope["rope_theta"],
+                         rope_scaling={"type": "mrope", "mrope_section": list(rope["mrope_section"])})
+    state = {k: v.bfloat16().float() if v.is_floating_point() else v for k, v in state.items()}
+    assert recognise(tmp_path / "h").describe()["positions"] == f"M-RoPE, sections {list(rope['mrope_section'])}"
+    clip = Request(prompt="what is happening", videos=(tuple(random_images(4, seed=3)),))
+    for req in (clip, image_request(7)):
+        check_eagle3_reference(target, tmp_path / "h", state, [1, 1, 1], rope["rope_theta"], req=req, mrope=True)
 
 
 def test_eagle1_first_draft_matches_a_reference_forward_of_the_published_wiring(target, tmp_path):

@@ -163,8 +163,12 @@ class Eagle2Drafter:
         nxt = torch.cat([embeds[1:], self._embed([root])], 0)  # entry j: token j+1 with feature j
         media = prefill.media_mask
         visual = None if media is None else torch.cat([media[0, 1:], media.new_zeros(1)])  # token j+1 is media
-        self._extend(nxt, feats, visual)
+        self._extend(nxt, feats, visual, self.prompt_positions(prefill))
         self.prefill_tokens = self.ctx_len
+
+    def prompt_positions(self, prefill: "TargetOutput") -> torch.Tensor | None:
+        """Position ids of the prompt's entries ([n], or [3, n] for M-RoPE heads); None: slot + `pos_offset`."""
+        return None
 
     def features(self, out: "TargetOutput") -> torch.Tensor:
         """The target features this drafter reads from a forward's output, [1, n, D]: EAGLE-2's is the last
@@ -234,13 +238,13 @@ class Eagle2Drafter:
     def _extend(self, embeds: torch.Tensor, feats: torch.Tensor, visual: torch.Tensor | None = None,
                 pos: torch.Tensor | None = None) -> None:
         """Run new context entries (embeds, feats [T, d]; visual [T] bool: the entry's next token is a media
-        token) causally after the existing context; keep their KV. `pos` [T]: their position ids (default: slot +
-        `pos_offset`)."""
+        token) causally after the existing context; keep their KV. `pos` [T] (or [3, T], M-RoPE): their position
+        ids (default: slot + `pos_offset`)."""
         S, T = self.ctx_len, embeds.shape[0]
         dev = self.target.device
         self._reserve(S + T)
         mask = extend_mask(S, T, dev)
-        pos = (torch.arange(S, S + T, device=dev) + self.pos_offset if pos is None else pos.to(dev))[None]
+        pos = (torch.arange(S, S + T, device=dev) + self.pos_offset if pos is None else pos.to(dev)).unsqueeze(-2)
         out = self.head(embeds[None], feats[None], pos, mask, self.kv, S,
                         None if visual is None else visual[None].to(dev))
         self.ctx_len = S + T

@@ -7,7 +7,11 @@ Wiring, as SafeAILab/EAGLE, SpecForge, vLLM and SGLang run these heads: feature 
 layer k (HF `hidden_states[k]`), by default k in (2, L // 2, L - 3), concatenated in that order; the layer's residual
 is the un-normed fused feature; the draft's own pre-norm output is fed back as the next step's feature (no fc);
 released heads read the token embedding of a media position's placeholder id, as SpecForge trains its Qwen2.5-VL
-heads and vLLM runs them (heads trained here read the merged media embeddings, as every drafter here). Positions are 1-D over the draft sequence (M-RoPE draft positions are not reproduced).
+heads and vLLM runs them (heads trained here read the merged media embeddings, as every drafter here).
+Positions: entry j (token j+1) sits at token j+1's target position minus one, as SpecForge numbers the shifted
+sequence. On a 1-D RoPE target that is j; on an M-RoPE target (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) the head rotates by
+the target's own 3-axis ids (`mrope_section`, chunked or interleaved as the target's), so media positions share ids
+as they do in the target and generated tokens continue at the target's rope delta.
 The drafting loop is EAGLE-2's (`Eagle2Drafter`): only the head, the features and the logits differ.
 """
 
@@ -46,13 +50,27 @@ class Eagle3Config(Eagle2Config):
     # as this project trains every drafter) or "token" (the placeholder id's token embedding, as SpecForge trains
     # released Qwen2.5-VL heads and vLLM runs them)
     media_embeds: Literal["merged", "token"] = "merged"
+    # M-RoPE: the rotary frequencies per axis (temporal, height, width), as the target's text config; [] = 1-D RoPE
+    mrope_section: list[int] = []
+    mrope_interleaved: bool = False  # Qwen3-VL's layout of the sections (else Qwen2-VL's chunks)
 
     @classmethod
     def for_target(cls, target: "VLMTarget") -> "Eagle3Config":
         base = Eagle2Config.for_target(target)
         n = int(getattr(target.text_config, "num_hidden_layers", 1))
+        section, interleaved = target_mrope(target)
         return cls(**{**base.model_dump(), "method": "eagle3"}, draft_vocab_size=target.vocab_size,
-                   feature_layers=default_feature_layers(n))
+                   feature_layers=default_feature_layers(n), mrope_section=section, mrope_interleaved=interleaved,
+                   head_dim=getattr(target.text_config, "head_dim", None) if section else None)
+
+
+def target_mrope(target: "VLMTarget") -> tuple[list[int], bool]:
+    """The target's M-RoPE layout from its text config (`rope_parameters`, or the older `rope_scaling`):
+    ([temporal, height, width] frequencies, interleaved?), or ([], False) for a 1-D RoPE target."""
+    tc = target.text_config
+    rope = getattr(tc, "rope_parameters", None) or getattr(tc, "rope_scaling", None) or {}
+    section = [int(n) for n in rope.get("mrope_section") or []]
+    return section, bool(section) and bool(rope.get("mrope_interleaved", False))
 
 
 class Eagle3Head(Eagle2Head):
@@ -70,7 +88,8 @@ class Eagle3Head(Eagle2Head):
         self.embed_norm = RMSNorm(d, cfg.rms_eps)
         self.hidden_norm = RMSNorm(d, cfg.rms_eps)
         self.layer = DecoderLayer(d, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.rope_theta,
-                                  cfg.rms_eps, in_dim=2 * d, head_dim=cfg.head_dim, qkv_bias=cfg.qkv_bias)
+                                  cfg.rms_eps, in_dim=2 * d, head_dim=cfg.head_dim, qkv_bias=cfg.qkv_bias,
+                                  mrope=(cfg.mrope_section, cfg.mrope_interleaved) if cfg.mrope_section else None)
         self.norm = RMSNorm(d, cfg.rms_eps)
         self.lm_head = nn.Linear(d, vd, bias=False)
         self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long))
@@ -135,6 +154,21 @@ class Eagle3Drafter(Eagle2Drafter):
         target.feature_layers = tuple(sorted(set(target.feature_layers) | set(self.layers)))
         self.ids = self.head.target_ids().to(target.device)
         self.identity = self.head.lm_head.weight.shape[0] == target.vocab_size and bool((self.head.d2t == 0).all())
+        self.mrope = bool(head.cfg.mrope_section)
+
+    def begin(self, target: "VLMTarget", prefill: "TargetOutput", root: int) -> None:
+        """An M-RoPE head: generated entries continue at the target's rope delta (its next position id minus its
+        sequence length, fixed at prefill)."""
+        self.pos_offset = target.next_pos - target.seq_len if self.mrope else 0
+        super().begin(target, prefill, root)
+
+    def prompt_positions(self, prefill: "TargetOutput") -> torch.Tensor | None:
+        """[3, n] for an M-RoPE head on a prompt with media: entry j (token j+1) at token j+1's target ids minus
+        one, the root (the first generated token) at the next position id minus one; None otherwise (slot ids)."""
+        if not self.mrope or prefill.positions is None:
+            return None
+        root = prefill.positions.new_full((3, 1), prefill.input_ids.shape[1] + self.pos_offset)
+        return torch.cat([prefill.positions[:, 0, 1:], root], 1) - 1
 
     def features(self, out: "TargetOutput") -> torch.Tensor:
         """[1, n, 3d]: hs[low], hs[mid], hs[high] concatenated."""

@@ -9,6 +9,8 @@ vocabulary and feature layers, each refused by name. Recognised layouts:
   10000 whatever the config says, so that base is used.
 - `eagle3-specforge`: the same keys, `architectures: ["LlamaForCausalLMEagle3"]`; `rope_theta` as the config says;
   `eagle_config.eagle_aux_hidden_state_layer_ids` are layer *outputs* (hs[k + 1]) where given.
+  EAGLE-3 heads whose `rope_scaling` has an `mrope_section` (SpecForge's Qwen2.5-VL heads) rotate by the target's
+  3-axis M-RoPE position ids, as SpecForge trains them and SGLang runs them.
 - `eagle-safeailab`: EAGLE-1 / EAGLE-2 heads (`fc` 2d -> d, `layers.0.*` without an input norm, usually a copy of the
   target's `embed_tokens`, which is checked and not used; no LM head: the target's is used).
 - `msd-authors`: MSD heads (Lyn-Lucy/MSD): EAGLE-1's keys, a config whose `model_type` is `llava` or `qwen2_vl`
@@ -65,6 +67,8 @@ class ReleasedDrafter:
             layers = c.get("feature_layers") if self.layout == "mmspec" else aux_layers(self)
             out["feature_layers"] = layers or "default (2, L//2, L-3)"
             out["media_embeds"] = c.get("media_embeds", "merged") if self.layout == "mmspec" else "token"
+            section = c.get("mrope_section") if self.layout == "mmspec" else mrope_of(c)[0]
+            out["positions"] = f"M-RoPE, sections {section}" if section else "1-D"
         if self.layout == "eagle3-safeailab":
             out["rope_theta"] = 10000.0
         elif self.layout != "mmspec":
@@ -138,7 +142,7 @@ def recognise(path: str | Path) -> ReleasedDrafter:
 
 
 REQUIRED = ("hidden_size", "num_attention_heads", "intermediate_size")
-ROPE_KINDS = (None, "default", "mrope")  # rope_scaling types these heads run as written (mrope: 1-D positions)
+ROPE_KINDS = (None, "default", "mrope")  # rope_scaling types these heads run as written
 
 
 def _checked(r: ReleasedDrafter) -> ReleasedDrafter:
@@ -189,12 +193,21 @@ def _heads(c: dict[str, Any]) -> tuple[int, int]:
     return heads, int(c.get("num_key_value_heads") or heads)
 
 
+def mrope_of(c: dict[str, Any]) -> tuple[list[int], bool]:
+    """A released EAGLE-3 config's M-RoPE layout: `rope_scaling.mrope_section` (and `mrope_interleaved`), as SGLang
+    reads it to run the head at the target's 3-axis position ids; ([], False) without one."""
+    scaling = c.get("rope_scaling") or {}
+    section = [int(n) for n in scaling.get("mrope_section") or []]
+    return section, bool(section) and bool(scaling.get("mrope_interleaved", False))
+
+
 def eagle3_config(r: ReleasedDrafter, target: "VLMTarget"):
     from mmspec_ray.drafters.eagle3 import Eagle3Config
 
     c = r.config
     heads, kv = _heads(c)
     theta = float(c.get("rope_theta") or 10000.0) if r.layout == "eagle3-specforge" else 10000.0
+    section, interleaved = mrope_of(c)
     return Eagle3Config(hidden_size=int(c["hidden_size"]), num_heads=heads, num_kv_heads=kv,
                         intermediate_size=int(c["intermediate_size"]), rope_theta=theta,
                         rms_eps=float(c.get("rms_norm_eps", 1e-6)), qkv_bias=bool(c.get("attention_bias", False)),
@@ -202,7 +215,8 @@ def eagle3_config(r: ReleasedDrafter, target: "VLMTarget"):
                         target_vocab_size=int(c.get("vocab_size", target.vocab_size)),
                         draft_vocab_size=int(c.get("draft_vocab_size") or c.get("vocab_size", target.vocab_size)),
                         feature_layers=aux_layers(r), head_dim=c.get("head_dim"), layout=r.layout,
-                        norm_before_residual=bool(c.get("norm_before_residual", False)), media_embeds="token")
+                        norm_before_residual=bool(c.get("norm_before_residual", False)), media_embeds="token",
+                        mrope_section=section, mrope_interleaved=interleaved)
 
 
 EAGLE3_KEYS = {  # released name -> Eagle3Head name

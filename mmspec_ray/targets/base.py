@@ -83,6 +83,9 @@ class TargetOutput:
     # prefill only: the encoded model inputs the prefill ran on (`encode`'s dict: input_ids, pixel values, grids ...),
     # so a second model that reads media the same way (a draft model) can prefill on exactly the same inputs
     inputs: dict[str, Any] | None = None
+    # [3, 1, n] long prefill only, M-RoPE families with media in the prompt: the (temporal, height, width) position
+    # ids the model gave each prompt position; None: position i is i (1-D RoPE, or a text-only M-RoPE prompt)
+    positions: torch.Tensor | None = None
 
 
 class VLMTarget:
@@ -280,7 +283,12 @@ class VLMTarget:
             attention_received=received,
             attention_entropy=entropy,
             inputs=inputs,
+            positions=self.prompt_positions(inputs),
         )
+
+    def prompt_positions(self, inputs: dict[str, Any]) -> torch.Tensor | None:
+        """[3, 1, n] M-RoPE position ids of the prompt positions, or None where position i is i (this default)."""
+        return None
 
     def after_prefill_position(self, inputs: dict[str, Any]) -> int:
         """Position id of the first generated token (M-RoPE families add their rope delta)."""

@@ -8,6 +8,7 @@ the same id, `seq_len + rope_delta + depth`, which is what HF's own decode step 
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -74,6 +75,17 @@ class Qwen25VLTarget(VLMTarget):
         deltas = self._mrope_model().rope_deltas
         self.rope_delta = 0 if deltas is None else int(deltas.reshape(-1)[0])
         return inputs["input_ids"].shape[1] + self.rope_delta
+
+    def prompt_positions(self, inputs: dict[str, Any]) -> torch.Tensor | None:
+        """[3, 1, n] the M-RoPE position ids the model gives the prompt (its own `get_rope_index`, called with the
+        encoded inputs it takes); None for a text-only prompt, whose three axes all read i at position i."""
+        if not any(k in inputs for k in ("image_grid_thw", "video_grid_thw")):
+            return None
+        model = self._mrope_model()
+        params = inspect.signature(model.get_rope_index).parameters
+        with torch.inference_mode():
+            pos, _ = model.get_rope_index(**{k: v for k, v in inputs.items() if k in params})
+        return pos[-3:].long()
 
     def tree_positions(self, depth: torch.Tensor) -> torch.Tensor:
         """[3, 1, n] M-RoPE position ids (temporal, height, width), all equal to `next_pos + depth`.

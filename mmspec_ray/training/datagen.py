@@ -91,8 +91,9 @@ def featurize(target: VLMTarget, request: Request, answer: list[int], recipe: Da
     segments = None if out.media_segments is None else out.media_segments[0].to(torch.int32).cpu()
     # un-normed residual-stream states can exceed float16's range on large targets: stored in bfloat16
     aux = torch.cat([out.layers[k][0] for k in aux_layers], -1).to(torch.bfloat16).cpu() if aux_layers else None
+    positions = None if out.positions is None else out.positions[:, 0].to(torch.int32).cpu()
     return FeatureExample(out.input_ids[0].cpu(), out.hidden[0].to(dt).cpu(), out.inputs_embeds[0].to(dt).cpu(),
-                          n_prompt, out.media_mask[0].cpu(), mid, segments, aux)
+                          n_prompt, out.media_mask[0].cpu(), mid, segments, aux, positions)
 
 
 def generate_features(target: VLMTarget, requests: Iterable[Request], recipe: DatagenRecipe, out_dir: str | Path,

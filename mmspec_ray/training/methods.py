@@ -428,14 +428,17 @@ class HiViSMethod(TrainingMethod):
 
 
 def multi_step_forward(head: nn.Module, emb: torch.Tensor, feat: torch.Tensor, valid: torch.Tensor,
-                       passes: int, run: "Callable[..., torch.Tensor] | None" = None) -> list[torch.Tensor]:
+                       passes: int, run: "Callable[..., torch.Tensor] | None" = None,
+                       pos: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Outputs [B, T, d] of passes f = 0..passes-1 (HASS's parallel self-feedback, HiViS spec §3.4; EAGLE-3's
     training-time test). Pass 0 is the teacher-forced forward; pass f feeds entry t the token embedding of pass 0
     with pass f-1's output at t-1 (detached: no gradient through the chain) and attends by `multi_step_mask`, so its
     output at t is what a drafter started after real features up to t - f predicts at its f-th self-fed step.
-    `run(emb, feats, f, pos, mask, kv, at)` is one pass of the head (default: HiViS's, with e_seq^min(f, 3))."""
+    `run(emb, feats, f, pos, mask, kv, at)` is one pass of the head (default: HiViS's, with e_seq^min(f, 3)).
+    `pos`: the entries' position ids ([B, T], or [3, B, T] M-RoPE; default j), the same in every pass (a step-f guess
+    at t sits where the drafter puts it: at entry t's position)."""
     B, T, _ = emb.shape
-    pos = torch.arange(T, device=emb.device)[None].expand(B, -1)
+    pos = torch.arange(T, device=emb.device)[None].expand(B, -1) if pos is None else pos
     layer = head.layer
     if run is None:
         def run(emb, feats, f, pos, mask, kv, at):
@@ -516,20 +519,33 @@ class Eagle3Method(TrainingMethod):
 
     def collate(self, examples, idx, noise, gen):
         """EAGLE's pairing (entry j: token j+1 with the features at j, predicting the state at j+1), the features
-        the three layers' states."""
+        the three layers' states; `pos` [3, B, T]: entry j at token j+1's M-RoPE ids minus one, as the drafter
+        places it (examples stored without positions: j on every axis, and `pos_missing` marks them)."""
         batch = eagle_collate(examples, idx, 0.0, gen)
         B, T = batch["valid"].shape
         feat = torch.zeros(B, T, examples[idx[0]].aux.shape[1])
+        pos = torch.arange(T).expand(3, B, T).clone()
+        missing = torch.zeros(B, dtype=torch.bool)
         for b, i in enumerate(idx):
-            aux = examples[i].aux
-            feat[b, :aux.shape[0] - 1] = aux[:-1].float()
-        batch["feat"] = feat
+            ex = examples[i]
+            feat[b, :ex.aux.shape[0] - 1] = ex.aux[:-1].float()
+            if ex.positions is not None:
+                pos[:, b, :ex.positions.shape[1] - 1] = ex.positions[:, 1:].long() - 1
+            missing[b] = ex.positions is None and ex.media is not None and bool(ex.media.any())
+        batch.update(feat=feat, pos=pos, pos_missing=missing)
         return batch
 
     def loss(self, head, batch, lm_head_weight, p_weight):
         tgt, T = batch["tgt"], batch["tgt"].shape[1]
+        pos = None
+        if head.cfg.mrope_section:
+            if bool(batch["pos_missing"].any()):
+                raise ValueError("eagle3 on an M-RoPE target trains at the target's position ids, which these "
+                                 "features were stored without; regenerate them (a new --work)")
+            pos = batch["pos"]
         outs = multi_step_forward(head, batch["emb"], batch["feat"], batch["valid"], self.ttt_steps,
-                                  run=lambda emb, feats, f, pos, mask, kv, at: head(emb, feats, pos, mask, kv, at))
+                                  run=lambda emb, feats, f, pos, mask, kv, at: head(emb, feats, pos, mask, kv, at),
+                                  pos=pos)
         with torch.no_grad():
             p, y, inside = draft_targets(tgt, lm_head_weight, head.target_ids(), head.t2d)
         total = torch.zeros((), device=tgt.device)

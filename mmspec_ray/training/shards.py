@@ -44,6 +44,9 @@ class FeatureExample:
     # [L, 3d] EAGLE-3: the target's states at its three feature layers (hs[k], the input of decoder layer k, for k in
     # `drafters.eagle3.default_feature_layers`), concatenated low, mid, high
     aux: torch.Tensor | None = None
+    # [3, L] int32 M-RoPE targets with media in the prompt: the target's (temporal, height, width) position ids of
+    # each position (`TargetOutput.positions`); None: position i is i
+    positions: torch.Tensor | None = None
 
     def pieces(self) -> list[tuple[int, int]] | None:
         """(start, end) of each image / frame / temporal group, as the drafter meets them when it drafts (None when
@@ -87,6 +90,8 @@ def shard_bytes(examples: list[FeatureExample], ids: list[str] | None = None,
             tensors[f"{j}.segments"] = ex.segments.to(torch.int32).contiguous()
         if ex.aux is not None:
             tensors[f"{j}.aux"] = ex.aux.contiguous()
+        if ex.positions is not None:
+            tensors[f"{j}.positions"] = ex.positions.to(torch.int32).contiguous()
     meta = {"ids": json.dumps(list(ids or [])), "errors": json.dumps(errors or {}), "examples": str(len(examples)),
             "multimodal": str(sum(ex.multimodal for ex in examples))}
     return st_save(tensors, metadata=meta)
@@ -97,7 +102,8 @@ def examples_from_bytes(data: bytes) -> list[FeatureExample]:
     n = len({k.split(".")[0] for k in t})
     return [FeatureExample(t[f"{j}.input_ids"], t[f"{j}.hidden"], t[f"{j}.embeds"], int(t[f"{j}.n_prompt"][0]),
                            t[f"{j}.media"].bool() if f"{j}.media" in t else None, t.get(f"{j}.mid"),
-                           t[f"{j}.segments"].long() if f"{j}.segments" in t else None, t.get(f"{j}.aux"))
+                           t[f"{j}.segments"].long() if f"{j}.segments" in t else None, t.get(f"{j}.aux"),
+                           t.get(f"{j}.positions"))
             for j in range(n)]
 
 
