@@ -105,6 +105,29 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
         "two_images": Request(prompt="what is there", images=tuple(random_images(2, seed=2))),
         "video": Request(prompt="what is happening", videos=(tuple(random_images(4, seed=3)),)),
     }),
+    _family("internvl", "tiny_internvl", "tiny_internvl", {
+        "text": TEXT,
+        "image": Request(prompt="describe the image", images=(_WIDE,)),
+        "two_images": Request(prompt="what is there", images=(random_images(1, seed=2)[0], _WIDE)),
+        "video": Request(prompt="what is happening", videos=(tuple(random_images(4, seed=3)),)),
+    }),
+    _family("mistral3", "tiny_mistral3", "tiny_mistral3", {  # no video input
+        "text": TEXT,
+        "image": Request(prompt="describe the image", images=(_WIDE,)),  # 64x48: 3 rows of 4 [IMG] + breaks/end
+        "two_images": Request(prompt="what is there", images=(random_images(1, seed=2)[0], _WIDE)),
+    }),
+    _family("glm4v", "tiny_glm4v", "tiny_glm4v", {  # a clip: one image block per 2-frame group, all <|image|>
+        "text": TEXT,
+        "image": Request(prompt="describe the image", images=tuple(random_images(1, seed=1))),
+        "two_images": Request(prompt="what is there", images=tuple(random_images(2, seed=2))),
+        "video": Request(prompt="what is happening", videos=(tuple(random_images(4, seed=3)),)),
+    }),
+    _family("glm4v_moe", "tiny_glm4v", "tiny_glm4v_moe", {
+        "text": TEXT,
+        "image": Request(prompt="describe the image", images=tuple(random_images(1, seed=1))),
+        "two_images": Request(prompt="what is there", images=tuple(random_images(2, seed=2))),
+        "video": Request(prompt="what is happening", videos=(tuple(random_images(4, seed=3)),)),
+    }),
     _family("idefics3", "tiny_idefics3", "tiny_idefics3", {  # no video input
         "text": TEXT,
         "image": Request(prompt="describe the image", images=(_SQUARE,)),  # 96x96 -> 64x64 -> 2x2 tiles + global

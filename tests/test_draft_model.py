@@ -22,7 +22,9 @@ from test_payoff import ShuffledGuard
 
 # where a family's tiny builder takes a layer count, the sibling has fewer layers than the target (2)
 FEWER_LAYERS = {"llava": {"layers": 1}, "llava_onevision": {"num_hidden_layers": 1},
-                "qwen3_vl": {"num_hidden_layers": 1}, "qwen3_vl_moe": {"num_hidden_layers": 1}}
+                "qwen3_vl": {"num_hidden_layers": 1}, "qwen3_vl_moe": {"num_hidden_layers": 1},
+                "internvl": {"num_hidden_layers": 1}, "mistral3": {"num_hidden_layers": 1},
+                "glm4v": {"num_hidden_layers": 1}, "glm4v_moe": {"num_hidden_layers": 1}}
 CHAIN = TreeConfig(top_k=1, depth=6, total_tokens=8)  # a drafter that is the target: every node is accepted
 
 
@@ -64,7 +66,8 @@ def test_greedy_equals_ar_and_hf_on_every_family(family):
     assert accepted > 0, family
 
 
-@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
+@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "internvl", "mistral3",
+                                    "glm4v", "glm4v_moe"])
 def test_the_target_as_its_own_draft_model_is_accepted(family):
     """Greedy proposals of the target's own weights are the target's argmax: a chain is accepted whole every cycle,
     and a bushy tree accepts several tokens per cycle; after each cycle the accepted nodes' KV is kept (reused),
@@ -107,7 +110,7 @@ def test_plain_stretches_between_drafted_cycles(family):
         assert s.token_ids == ar, seed
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe"])
 def test_a_tree_grown_level_by_level_scores_as_one_verify(family):
     """The generalised verify: a tree verified level by level after its root is committed (each level attending to
     the earlier levels left in the cache) gives the logits of verifying it at once; on Gemma3 through a sliding

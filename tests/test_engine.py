@@ -26,7 +26,8 @@ from families import FAMILIES, build_target  # a family whose builder module is 
 from test_accept import chi2_critical, chi2_stat
 from tiny import random_images
 
-VIDEO_FAMILIES = {"llava", "llava_next_video", "llava_onevision", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"}
+VIDEO_FAMILIES = {"llava", "llava_next_video", "llava_onevision", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "internvl",
+                  "glm4v", "glm4v_moe"}
 TREE = TreeConfig(top_k=4, depth=4, total_tokens=20)
 
 

@@ -52,10 +52,11 @@ def passed(target) -> None:
     assert report.tree_paths >= 2 and report.max_logit_diff < 1e-4
 
 
-@pytest.mark.parametrize("family", ["llava", "idefics3", "gemma3"])
+@pytest.mark.parametrize("family", ["llava", "idefics3", "gemma3", "mistral3"])
 def test_forced_generic_passes_its_self_check_and_decodes_losslessly(family):
-    """LLaVA (plain), Idefics3 (tiled images) and Gemma3 (sliding-window layers, bidirectional image attention at
-    prefill) need nothing the generic adapter lacks for decoding: it passes, and answers as the family's adapter."""
+    """LLaVA (plain), Idefics3 (tiled images), Gemma3 (sliding-window layers, bidirectional image attention at
+    prefill) and Mistral3 (image rows joined by break tokens) need nothing the generic adapter lacks for decoding:
+    it passes, and answers as the family's adapter."""
     model, processor = FAMILIES[family].builder()
     named = wrap(model, processor)
     assert type(named) is not GenericTarget and getattr(named, "self_check", None) is None

@@ -66,11 +66,19 @@ class Eagle3Config(Eagle2Config):
 
 def target_mrope(target: "VLMTarget") -> tuple[list[int], bool]:
     """The target's M-RoPE layout from its text config (`rope_parameters`, or the older `rope_scaling`):
-    ([temporal, height, width] frequencies, interleaved?), or ([], False) for a 1-D RoPE target."""
+    ([temporal, height, width] frequencies, interleaved?), or ([], False) for a 1-D RoPE target. A target that
+    rotates only part of each head (GLM-4.1V: `partial_rotary_factor` 0.5) has fewer sections than the head's
+    frequencies: the sections are scaled up to them (the drafter's own RoPE, whole-head; same axes, same ratios)."""
     tc = target.text_config
     rope = getattr(tc, "rope_parameters", None) or getattr(tc, "rope_scaling", None) or {}
     section = [int(n) for n in rope.get("mrope_section") or []]
-    return section, bool(section) and bool(rope.get("mrope_interleaved", False))
+    if not section:
+        return [], False
+    heads = int(getattr(tc, "num_attention_heads", 1))
+    half = int(getattr(tc, "head_dim", None) or tc.hidden_size // heads) // 2
+    if half % sum(section):
+        return [], False  # no whole-number scaling: 1-D positions (text-only prompts are alike)
+    return [n * (half // sum(section)) for n in section], bool(rope.get("mrope_interleaved", False))
 
 
 class Eagle3Head(Eagle2Head):

@@ -97,10 +97,11 @@ class Qwen25VLTarget(VLMTarget):
         return pos.expand(3, 1, -1)
 
     def _mrope_model(self):
-        """The `Qwen2_5_VLModel` inside the ForConditionalGeneration wrapper; it owns `rope_deltas`."""
+        """The inner model (`Qwen2_5_VLModel`, ...) inside the ForConditionalGeneration wrapper; it owns `rope_deltas`
+        and `get_rope_index`."""
         inner = getattr(self.model, "model", None)
         if inner is None or not hasattr(inner, "rope_deltas"):
-            raise TargetError(f"{type(self.model).__name__} is not a Qwen2.5-VL ForConditionalGeneration model; "
+            raise TargetError(f"{type(self.model).__name__} is not a {self.display_name} ForConditionalGeneration model; "
                               "load the checkpoint with AutoModelForImageTextToText")
         return inner
 

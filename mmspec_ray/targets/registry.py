@@ -52,7 +52,7 @@ def families() -> dict[str, type[VLMTarget]]:
 
 # One module per family; each defines ADAPTERS, a tuple of VLMTarget subclasses.
 FAMILY_MODULES = ("llava", "llava_next", "llava_next_video", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
-                  "idefics3", "gemma3")
+                  "idefics3", "gemma3", "internvl", "mistral3", "glm4v")
 # The generic adapter and its self-check (any other image-text-to-text checkpoint), imported on first use: its
 # self-check runs the decoding engine, which sits below this registry.
 GENERIC_MODULE = "mmspec_ray.targets.generic"
@@ -136,7 +136,8 @@ def load_target(path_or_uri: str | Path, device: str = "cpu", dtype: str | torch
     try:
         processor = AutoProcessor.from_pretrained(path)
     except Exception as e:  # ImportError / OSError / ValueError, depending on which sub-processor failed
-        hint = (" (its video processor needs torchvision: install the torchvision build matching torch)"
+        needs = "its video processor" if "videoprocessor" in str(e).lower() else "it"
+        hint = (f" ({needs} needs torchvision: install the torchvision build matching torch)"
                 if "torchvision" in str(e).lower() else "")
         raise TargetError(f"cannot load the {model_type} processor saved in {path}{hint}: "
                           f"{type(e).__name__}: {str(e).strip()}") from e
