@@ -18,7 +18,7 @@ M = TypeVar("M", bound=BaseModel)
 SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
                   "repetition_penalty": "--repetition-penalty", "seed": "--seed"}
 TREE_FLAGS = {"top_k": "--tree-top-k", "depth": "--tree-depth", "total_tokens": "--tree-tokens"}
-TRAINED_METHODS = ("eagle2", "eagle3", "msd", "specflash", "hivis", "vispec", "dream")  # methods `train-drafter` trains (mmspec_ray.training.methods.METHODS)
+TRAINED_METHODS = ("eagle2", "eagle3", "msd", "specflash", "hivis", "vispec", "dream", "suffix")  # methods `train-drafter` trains (mmspec_ray.training.methods.METHODS)
 
 
 class UsageError(Exception):
@@ -91,7 +91,9 @@ def resolve_drafter(drafter: str | None, target: str) -> str | None:
         from mmspec_ray.toy.drafter import build_toy_drafter
 
         return str(build_toy_drafter(target, drafter))
-    if drafter in TRAINED_METHODS and not Path(drafter).exists():  # refused before any model is loaded
+    # refused before any model is loaded; "suffix" alone is a drafter on any target (an empty corpus that learns
+    # from the answers it decodes)
+    if drafter in TRAINED_METHODS and drafter != "suffix" and not Path(drafter).exists():
         raise UsageError(f"--drafter {drafter}: a method name stands for the toy world's drafter, so it needs a toy "
                          "target (toy-s, toy-m); for this checkpoint give a drafter checkpoint directory (train one "
                          "with `mmspec train-drafter --data ...`)")

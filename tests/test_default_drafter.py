@@ -42,9 +42,20 @@ def shipped_micro(monkeypatch):
 def test_defaults_are_auto_and_toy_worlds_ship_their_fastest_drafter():
     assert DEFAULT_DRAFTER == "auto" and DecodeConfig(target="/m").drafter == "auto"
     assert build_parser("caption_kinetics").parse_args([]).drafter is None  # so the spec default (auto) applies
-    assert SHIPPED["toy-s"].method == "eagle2" and SHIPPED["toy-m"].method == "draft-model:toy-s"
-    assert recipe_for("toy-s", "eagle2") == SHIPPED["toy-s"].recipe
+    assert SHIPPED["toy-s"].method == "suffix" and SHIPPED["toy-m"].method == "draft-model:toy-s"
+    assert recipe_for("toy-s", "suffix") == SHIPPED["toy-s"].recipe
     assert recipe_for("toy-s", "msd") == toy_drafter.RECIPES["toy-s"]  # other methods keep the world's recipe
+
+
+def test_a_shipped_suffix_drafter_is_the_worlds_answers(micro_world, monkeypatch):
+    """A world shipping the suffix drafter builds it on first use through the same trainer: the target's answers to
+    the recipe's prompts, no epochs, a held-out τ; `auto` then names it."""
+    monkeypatch.setitem(SHIPPED, MICRO.name, ShippedDrafter("suffix", TINY_RECIPE, "test", "seconds"))
+    out = Path(resolve_auto_drafter("auto", str(micro_world.target)))
+    assert out == micro_world.root / "drafters" / "suffix"
+    assert json.loads((out / "config.json").read_text())["method"] == "suffix"
+    history = json.loads((out / "history.json").read_text())
+    assert len(history) == 1 and history[0]["examples"] > 0 and "heldout_tau" in history[0]
 
 
 def test_auto_is_ngram_for_checkpoints_and_other_names_pass_through(ckpt, tmp_path):

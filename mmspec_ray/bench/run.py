@@ -166,6 +166,11 @@ def run_bench(target: VLMTarget, requests: list[Request] | list[Workload], draft
     for label, spec in (drafters or {}).items():
         path, tree = split_tree(spec)
         loaded[label] = load_drafter(path, target)
+        if getattr(getattr(loaded[label], "cfg", None), "learn", False):  # a drafter that learns from the answers it
+            # decodes (suffix) would draft a repeated prompt from its own earlier answer: the bench measures its
+            # corpus as built
+            loaded[label].cfg = loaded[label].cfg.model_copy(update={"learn": False})
+            results.setdefault("learning_off", []).append(label)
         if tree == "auto" and cfg.payoff_guard:  # one per method, kept across its requests (what it learns carries)
             guards[label] = PayoffGuard()
         if tree in ("auto", "auto-noguard"):

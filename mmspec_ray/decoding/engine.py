@@ -85,7 +85,7 @@ class SpecEngine:
         yield tracker.ids[:]
         t0 += time.perf_counter() - tp
         if done:
-            return self._finish(tracker, stats, t0)
+            return self._finish(tracker, stats, t0, d)
         first_root, begun, passes0 = root, False, 0
         # the drafter hears of committed tokens just before it next drafts, not after every cycle: plain steps
         # (the payoff guard's, a 1-token pick's, a near-tie's) cost it nothing, and a drafter is begun only when a
@@ -180,7 +180,7 @@ class SpecEngine:
         if guard is not None:
             guard.finish(len(tracker.ids))
             stats.guard_moves = guard.moves
-        return self._finish(tracker, stats, t0)
+        return self._finish(tracker, stats, t0, d)
 
     @staticmethod
     def _fit(room: int, remaining: int, tree: TreeConfig, probing: bool = False) -> TreeConfig:
@@ -194,7 +194,10 @@ class SpecEngine:
         return TreeConfig(top_k=tree.top_k, depth=min(depth, max(1, total - 1)), total_tokens=total)
 
     @staticmethod
-    def _finish(tracker: OutputTracker, stats: GenerationStats, t0: float) -> Generation:
+    def _finish(tracker: OutputTracker, stats: GenerationStats, t0: float, drafter: object = None) -> Generation:
+        """The Generation; a drafter with a `finish` hook hears the whole answer first (begun or not)."""
+        if hasattr(drafter, "finish"):
+            drafter.finish(list(tracker.ids))
         stats.total_s = time.perf_counter() - t0
         stats.overhead_s = stats.total_s - stats.prefill_s - stats.draft_s - stats.verify_s
         return tracker.result(stats)

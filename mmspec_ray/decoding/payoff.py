@@ -70,12 +70,12 @@ class KindMemory:
     answers: deque = field(default_factory=lambda: deque(maxlen=ANSWERS_KEPT))  # recent answer lengths in tokens
 
     def start_level(self, plain_level: int) -> int:
-        """The rung a request of this kind starts on: plain where the last one ended plain (it retries after the
-        wait); else the drafting rung with the best gain on this kind so far, trying a rung not yet tried while the
-        best is below `GROW`, and another rung than the best every `EXPLORE_EVERY` requests (so a rung that lost
-        once on a few cycles is measured again)."""
+        """The rung a request of this kind starts on: plain where the last one ended plain and no drafting rung pays
+        on this kind (it retries after the wait); else the drafting rung with the best gain on this kind so far,
+        trying a rung not yet tried while the best is below `GROW`, and another rung than the best every
+        `EXPLORE_EVERY` requests (so a rung that lost once on a few cycles is measured again)."""
         self.requests += 1
-        if self.level >= plain_level:
+        if self.level >= plain_level and max(self.gains.values(), default=0.0) < 1.0:
             return plain_level
         rungs = range(plain_level)
         known = {r: g for r, g in self.gains.items() if r < plain_level}
@@ -162,7 +162,8 @@ class RequestGuard:
         self.judged += 1
         if self.judged < (RETRY_CYCLES if self.retry else MIN_CYCLES):
             return
-        if self.gain < 1.0:
+        if self.gain < 1.0 and self.memory.gains[self.level] < 1.0:  # this request's cycles and the kind's: a stretch
+            # of hard tokens (a caption's first content words) does not stop a tree that pays on this kind
             if self.retry and self.level + 1 == self.plain_level:  # a retry that failed: wait longer next time
                 self.memory.backoff = min(2 * self.memory.backoff, BACKOFF[1])
             self._move(self.level + 1, generated)

@@ -15,6 +15,9 @@ the target's prefill for it.
 Optional method `features(out: TargetOutput) -> Tensor [1, n, D]` (default: `out.hidden`): the target features the
 drafter reads; the engine hands `observe` these rows of each verify (EAGLE-3: three layers' states, concatenated).
 
+Optional method `finish(answer: list[int])`: the request's whole answer (token ids, the first generated one first)
+when its decoding ends, whether or not the drafter was begun (the suffix drafter adds it to its corpus).
+
 Optional attribute `prefill_tokens: int` (default 0), set by `begin`: how many entries the drafter's own prefill
 read (EAGLE-2: the whole prompt, media included; HiViS: its text only). The engine reports it per request.
 """
@@ -65,6 +68,7 @@ MODULES: dict[str, str] = {
     "vispec": "mmspec_ray.drafters.vispec",
     "dream": "mmspec_ray.drafters.dream",
     "ngram": "mmspec_ray.drafters.ngram",
+    "suffix": "mmspec_ray.drafters.suffix",
     "draft-model": "mmspec_ray.drafters.draft_model",
     "none": "mmspec_ray.drafters.none",
     "oracle": "mmspec_ray.drafters.oracle",
@@ -122,7 +126,7 @@ def check_drafter_files(path: "Path") -> None:
 def load_drafter(spec: str | None, target: "VLMTarget", device: str | None = None,
                  s3: "S3Config | None" = None) -> Drafter:
     """A ready drafter for `target` from a method name ("none", "ngram", "ngram:N" for a shortest match of N
-    tokens), a draft model ("draft-model:PATH", or a bare PATH holding a VLM checkpoint of a supported family with
+    tokens, "suffix": the suffix drafter with an empty corpus, learning from the answers it sees), a draft model ("draft-model:PATH", or a bare PATH holding a VLM checkpoint of a supported family with
     its processor: a smaller sibling of the target, loaded on the target's device and dtype) or a trained drafter
     checkpoint directory
     or s3:// prefix (`config.json` naming its `method` + `model.safetensors`, or a released head in a layout
@@ -139,6 +143,8 @@ def load_drafter(spec: str | None, target: "VLMTarget", device: str | None = Non
         if n and not n.isdigit():
             raise ValueError(f"drafter {spec!r}: ngram:N takes the shortest match length N as a whole number")
         return drafter_class("ngram")(**({"min_ngram": int(n), "max_ngram": max(3, int(n))} if n else {}))
+    if spec == "suffix":
+        return drafter_class("suffix")()
     draft_model = drafter_class("draft-model")
     if spec.startswith("draft-model:") or draft_model.is_checkpoint(spec, s3):  # a smaller VLM of the same family
         path = spec.removeprefix("draft-model:")

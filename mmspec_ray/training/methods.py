@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -24,6 +25,7 @@ from mmspec_ray.drafters.layers import causal_pad_mask
 from mmspec_ray.drafters.hivis import HiViSDrafter, HiViSHead
 from mmspec_ray.drafters.msd import MSDDrafter, MSDHead
 from mmspec_ray.drafters.specflash import SpecFlashDrafter, SpecFlashHead
+from mmspec_ray.drafters.suffix import SuffixConfig, SuffixDrafter
 from mmspec_ray.drafters.vispec import ViSpecDrafter, ViSpecHead, entry_spans
 from mmspec_ray.training.dream import dream_collate, dream_loss
 from mmspec_ray.training.shards import FeatureExample
@@ -93,6 +95,7 @@ class TrainingMethod:
     head_class: ClassVar[type[Eagle2Head]] = Eagle2Head
     drafter_class: ClassVar[type[Eagle2Drafter]] = Eagle2Drafter
     mixes_text: ClassVar[bool] = False  # every epoch holds the text-only pool too (StageSchedule.mixed)
+    corpus_only: ClassVar[bool] = False  # no weights to fit: training collects the target's answers (`build`)
 
     def head(self, target: "VLMTarget", examples: list[FeatureExample] | None = None) -> nn.Module:
         """A fresh head for `target`; `examples` (the training pool) where the method fits its config to the data
@@ -562,11 +565,30 @@ class Eagle3Method(TrainingMethod):
         return total, parts
 
 
+class SuffixMethod(TrainingMethod):
+    """The suffix drafter: nothing to fit; its corpus is the target's answers to the training prompts (token ids
+    after each prompt), written as the drafter checkpoint. One process, one pass, no epochs."""
+
+    name = "suffix"
+    needs = ()
+    corpus_only = True
+
+    def __init__(self, max_context: int = 4, learn: bool = True) -> None:
+        self.cfg = SuffixConfig(max_context=max_context, learn=learn)
+
+    def build(self, target: "VLMTarget", examples: list[FeatureExample], out: Path) -> Path:
+        """Write the corpus of `examples`' answers for `target` into `out`."""
+        answers = [ex.input_ids[ex.n_prompt:].tolist() for ex in examples]
+        cfg = self.cfg.model_copy(update={"target_vocab_size": target.vocab_size, "target_id": target.identity or ""})
+        return SuffixDrafter.save(out, answers, cfg)
+
+
 METHODS: dict[str, type[TrainingMethod]] = {m.name: m for m in (TrainingMethod, MSDMethod, HiViSMethod)}
 METHODS[SpecFlashMethod.name] = SpecFlashMethod
 METHODS[DreamMethod.name] = DreamMethod
 METHODS[ViSpecMethod.name] = ViSpecMethod
 METHODS[Eagle3Method.name] = Eagle3Method
+METHODS[SuffixMethod.name] = SuffixMethod
 
 
 def training_method(name: str, options: dict[str, Any] | None = None) -> TrainingMethod:

@@ -174,7 +174,7 @@ def run_train_job(job: TrainJob, dry_run: bool = False) -> dict[str, Any]:
     if not manifest["examples"]:
         raise ValueError(f"data generation gave no training examples ({len(manifest['errors'])} row errors, e.g. "
                          f"{next(iter(manifest['errors'].items()), None)}); see {features}/manifest.json")
-    if job.num_workers == 0:
+    if job.num_workers == 0 or m.corpus_only:  # a corpus-only method fits nothing: one process reads the answers
         history = on_target_node(job, train_single_process, job, features, held)
     else:
         from mmspec_ray.training.distributed import check_plan

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from mmspec_ray.decoding.engine import SpecEngine
 from mmspec_ray.decoding.tree import TreeConfig
+from mmspec_ray.drafters.base import load_drafter
 from mmspec_ray.targets.base import Request, VLMTarget
 from mmspec_ray.training.datagen import FeatureExample
 from mmspec_ray.training.methods import TrainingMethod, training_method
@@ -95,6 +96,23 @@ def train_step(m: TrainingMethod, head: torch.nn.Module, batch: dict[str, torch.
     return float(loss.detach()), parts
 
 
+def build_corpus(m: TrainingMethod, target: VLMTarget, examples: list[FeatureExample], out: Path,
+                 heldout: list[Request], tree: TreeConfig, cfg: TrainConfig) -> Path:
+    """A corpus-only method (the suffix drafter): write its checkpoint from the examples in one pass, and a
+    one-record history with the held-out τ, as an epoch of a trained method would."""
+    t0 = time.time()
+    m.build(target, examples, out)
+    rec = {"epoch": 1, "examples": len(examples), "corpus_tokens": sum(int(e.input_ids.shape[0] - e.n_prompt)
+                                                                       for e in examples),
+           "train_s": time.time() - t0}
+    drafter = load_drafter(str(out), target)
+    drafter.cfg = drafter.cfg.model_copy(update={"learn": False})  # τ of the corpus as built, not of held-out answers
+    rec["heldout_tau"] = heldout_tau(target, drafter, list(heldout), tree, cfg.eval_max_new_tokens)
+    (out / "history.json").write_text(json.dumps([rec], indent=2))
+    log.info("%s drafter corpus: %s", m.name, json.dumps(rec))
+    return out
+
+
 def train_drafter(method: str | TrainingMethod, target: VLMTarget, examples: list[FeatureExample],
                   out_dir: str | Path, cfg: TrainConfig, heldout: list[Request] = (), tree: TreeConfig | None = None,
                   resume: bool = True, text_examples: list[FeatureExample] = ()) -> Path:
@@ -107,6 +125,8 @@ def train_drafter(method: str | TrainingMethod, target: VLMTarget, examples: lis
     text_examples = list(text_examples)
     m.check(list(examples))
     m.check(text_examples)
+    if m.corpus_only:
+        return build_corpus(m, target, list(examples) + text_examples, out, heldout, tree, cfg)
     given = len(examples)
     n_mm, n_text = len(examples), len(text_examples)
     examples, text_examples = m.select(target, list(examples), text_examples)
