@@ -225,7 +225,13 @@ class VLMTarget:
         if not template:
             raise TargetError("the processor has no chat template; set processor.chat_template")
         text = self.processor.apply_chat_template(self.messages(request), add_generation_prompt=True, tokenize=False)
-        inputs = self.processor_inputs(text, request)
+        try:
+            inputs = self.processor_inputs(text, request)
+        except TargetError:
+            raise
+        except ValueError as e:  # e.g. placeholders and media that do not pair up: said as the request's problem
+            raise TargetError(f"the {self.family} processor rejected the request ({e}); give the messages exactly "
+                              "one image part per image and one video part per clip") from e
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
     def check_length(self, n_prompt: int, max_new_tokens: int) -> None:

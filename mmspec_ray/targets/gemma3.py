@@ -73,14 +73,8 @@ class Gemma3Target(VLMTarget):
 
     # ---------- request -> model inputs ----------
     def processor_inputs(self, text: str, request: Request) -> dict[str, Any]:
-        """The generic call (keeps `token_type_ids` for the bidirectional image mask); errors become TargetError."""
-        try:
-            inputs = super().processor_inputs(text, request)
-        except TargetError:
-            raise
-        except ValueError as e:
-            raise TargetError(f"the gemma3 processor rejected the request ({e}); give the messages exactly one image "
-                              "part per image in `images` (a clip counts one per frame)") from e
+        """The generic call, which must keep `token_type_ids` (the bidirectional image mask)."""
+        inputs = super().processor_inputs(text, request)
         if "token_type_ids" not in inputs:  # without it image tokens would attend causally, unlike training / HF
             raise TargetError("the gemma3 processor returned no token_type_ids; use Gemma3Processor")
         return inputs

@@ -13,8 +13,6 @@ The caller can pick frames and send them as images if that is really wanted.
 
 from __future__ import annotations
 
-from typing import Any
-
 from mmspec_ray.targets.base import Request, TargetError, VLMTarget
 
 
@@ -32,16 +30,6 @@ class Idefics3Target(VLMTarget):
                 "idefics3 targets take no video: the model has no video input and each frame would be tiled like a "
                 "full image; send a few chosen frames as images, or use a video model (e.g. SmolVLM2, Qwen2.5-VL)")
         super().check_request(request)
-
-    def processor_inputs(self, text: str, request: Request) -> dict[str, Any]:
-        """The generic call; a placeholder/image count mismatch becomes a TargetError."""
-        try:
-            return super().processor_inputs(text, request)
-        except TargetError:
-            raise
-        except ValueError as e:
-            raise TargetError(f"the idefics3 processor rejected the request ({e}); give the messages exactly one "
-                              "image part per image in `images`") from e
 
 
 ADAPTERS = (Idefics3Target,)

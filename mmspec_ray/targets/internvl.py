@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from mmspec_ray.targets.base import Request, TargetError, VLMTarget, media_runs
+from mmspec_ray.targets.base import Request, VLMTarget, media_runs
 from mmspec_ray.targets.llava_next import check_equal_clips, check_processor_parts
 
 
@@ -45,18 +45,14 @@ class InternVLTarget(VLMTarget):
 
     def processor_inputs(self, text: str, request: Request) -> dict[str, Any]:
         """The stock call, the request's clips taken as already sampled (no second frame sampling, whatever the
-        saved video processor config says); a processor ValueError becomes a TargetError."""
+        saved video processor config says)."""
         kw: dict[str, Any] = {"text": text, "return_tensors": "pt"}
         if request.images:
             kw["images"] = list(request.images)
         if request.videos:
             kw["videos"] = [list(c) for c in request.videos]
             kw["do_sample_frames"] = False
-        try:
-            return dict(self.processor(**kw))
-        except ValueError as e:
-            raise TargetError(f"the internvl processor rejected the request ({e}); give the messages exactly one "
-                              "image part per image and one video part per clip") from e
+        return dict(self.processor(**kw))
 
     def media_pieces(self, ids: torch.Tensor, inputs: dict[str, Any] | None = None) -> list[tuple[int, int]]:
         """Every run of `<IMG_CONTEXT>` tokens is one piece: an image (its tiles and thumbnail back to back) or one

@@ -24,8 +24,6 @@ No video input: a clip is refused, not sent as frames, as every frame would be a
 
 from __future__ import annotations
 
-from typing import Any
-
 from mmspec_ray.targets.base import InvalidRequest, Request, TargetError, VLMTarget
 from mmspec_ray.targets.placeholders import typed_placeholder
 
@@ -68,16 +66,6 @@ class Mistral3Target(VLMTarget):
             raise InvalidRequest(f"{field} contains the {kind} layout token {token!r}; remove it: the processor "
                                  "writes each image's row breaks and end itself")
         super().check_request(request)
-
-    def processor_inputs(self, text: str, request: Request) -> dict[str, Any]:
-        """The generic call; a placeholder/image count mismatch becomes a TargetError."""
-        try:
-            return super().processor_inputs(text, request)
-        except TargetError:
-            raise
-        except ValueError as e:
-            raise TargetError(f"the mistral3 processor rejected the request ({e}); give the messages exactly one "
-                              "image part per image in `images`") from e
 
 
 ADAPTERS = (Mistral3Target,)
