@@ -84,24 +84,24 @@ def test_a_paying_tree_is_kept_and_a_shrunk_tree_that_pays_well_grows_back():
     assert r.next_tree(0) == TREE
 
 
-def test_a_hard_stretch_does_not_stop_a_tree_that_pays_on_its_kind():
-    """Short captions: their first content words are hard to draft, the rest easy. Once the kind's cycles have paid at
-    the tree (its running gain over requests >= 1), a request's losing first cycles do not move it down, and a kind
-    whose last request ended plain starts drafting again while a drafting rung pays on it."""
+def test_a_hard_stretch_gets_longer_where_the_tree_pays_on_its_kind():
+    """Short captions: their first content words are hard to draft, the rest easy. Where the kind's cycles have paid
+    at the tree (its running gain over requests >= 1), a request's losing cycles are judged after twice as many
+    cycles; a request that keeps losing then steps down all the same (bounded: never slower than AR for long). A
+    kind whose last request ended plain starts drafting again while a drafting rung pays on it."""
     guard = PayoffGuard()
     yardstick(guard)
     r = guard.request(TREE, "video/short")
-    for _ in range(6):  # the kind learns that the tree pays: 3 tokens per 2 s (gain 1.5)
-        r.record(TREE, 3, 2.0)
-    r.finish(18)
+    for _ in range(6):  # the kind learns that the tree pays: 6 tokens per 2 s (gain 3)
+        r.record(TREE, 6, 2.0)
+    r.finish(36)
     r = guard.request(TREE, "video/short")
-    for _ in range(MIN_CYCLES):  # a hard start: 1 token per 2 s in this request (gain 0.5); the kind's gain stays >= 1
+    for _ in range(2 * MIN_CYCLES - 1):  # a hard start: 1 token per 2 s (gain 0.5), the kind's gain still >= 1
         assert r.next_tree(0) == TREE
         r.record(TREE, 1, 2.0)
     assert r.next_tree(0) == TREE and r.moves == []
-    for _ in range(8):  # losing on and on: the kind's gain drops below 1 too, and the tree steps down
-        r.record(r.next_tree(0), 1, 2.0)
-    assert r.moves and r.next_tree(0) != TREE
+    r.record(TREE, 1, 2.0)  # the 2 x MIN_CYCLES-th losing cycle: judged, and down it goes
+    assert r.moves == [(0, 1)] and r.next_tree(0) == ladder(TREE)[1]
     memory = guard.kinds["video/short"]
     memory.level, memory.gains = r.plain_level, {0: 1.5, 1: 1.1}  # ended plain, but the rungs pay on the kind
     assert guard.request(TREE, "video/short").next_tree(0) == TREE

@@ -29,7 +29,7 @@ from pydantic import BaseModel
 from mmspec_ray.bench.plots import write_plots
 from mmspec_ray.bench.workloads import Workload
 from mmspec_ray.config import SamplingParams
-from mmspec_ray.drafters.base import load_drafter
+from mmspec_ray.drafters.base import load_drafter, stop_learning
 from mmspec_ray.drafters.ngram import NgramDrafter
 from mmspec_ray.drafters.oracle import AntiOracleDrafter, OracleDrafter
 from mmspec_ray.decoding.calibrate import auto_tree, device_name
@@ -166,10 +166,8 @@ def run_bench(target: VLMTarget, requests: list[Request] | list[Workload], draft
     for label, spec in (drafters or {}).items():
         path, tree = split_tree(spec)
         loaded[label] = load_drafter(path, target)
-        if getattr(getattr(loaded[label], "cfg", None), "learn", False):  # a drafter that learns from the answers it
-            # decodes (suffix) would draft a repeated prompt from its own earlier answer: the bench measures its
-            # corpus as built
-            loaded[label].cfg = loaded[label].cfg.model_copy(update={"learn": False})
+        if stop_learning(loaded[label]):  # a drafter that learns from the answers it decodes (suffix) would draft a
+            # repeated prompt from its own earlier answer: the bench measures its corpus as built
             results.setdefault("learning_off", []).append(label)
         if tree == "auto" and cfg.payoff_guard:  # one per method, kept across its requests (what it learns carries)
             guards[label] = PayoffGuard()

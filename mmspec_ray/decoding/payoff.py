@@ -22,7 +22,7 @@ from mmspec_ray.decoding.tree import TreeConfig
 from mmspec_ray.targets.request import Request
 
 PLAIN = TreeConfig(top_k=1, depth=1, total_tokens=1)  # one token per forward: no drafting
-MIN_CYCLES = 3  # drafted cycles at one tree before the guard judges it ...
+MIN_CYCLES = 3  # drafted cycles at one tree before the guard judges it (twice as many where it pays on the kind) ...
 RETRY_CYCLES = 2  # ... and on a retry after plain steps (each failed retry costs these cycles)
 GAIN_ALPHA = 0.3  # weight of the newest cycle in the running gain
 YARDSTICK = 3  # plain steps timed before anything is drafted (once per engine): their median is the yardstick ...
@@ -160,10 +160,12 @@ class RequestGuard:
         known = self.memory.gains.get(self.level)
         self.memory.gains[self.level] = ratio if known is None else RUNG_ALPHA * ratio + (1 - RUNG_ALPHA) * known
         self.judged += 1
-        if self.judged < (RETRY_CYCLES if self.retry else MIN_CYCLES):
+        need = RETRY_CYCLES if self.retry else MIN_CYCLES
+        if self.judged < need:
             return
-        if self.gain < 1.0 and self.memory.gains[self.level] < 1.0:  # this request's cycles and the kind's: a stretch
-            # of hard tokens (a caption's first content words) does not stop a tree that pays on this kind
+        if self.gain < 1.0:
+            if self.memory.gains[self.level] >= 1.0 and self.judged < 2 * need:  # the tree pays on this kind: a stretch
+                return  # of hard tokens (a caption's first content words) gets as many cycles again
             if self.retry and self.level + 1 == self.plain_level:  # a retry that failed: wait longer next time
                 self.memory.backoff = min(2 * self.memory.backoff, BACKOFF[1])
             self._move(self.level + 1, generated)

@@ -16,7 +16,8 @@ Optional method `features(out: TargetOutput) -> Tensor [1, n, D]` (default: `out
 drafter reads; the engine hands `observe` these rows of each verify (EAGLE-3: three layers' states, concatenated).
 
 Optional method `finish(answer: list[int])`: the request's whole answer (token ids, the first generated one first)
-when its decoding ends, whether or not the drafter was begun (the suffix drafter adds it to its corpus).
+when its decoding runs to completion (not when a stream is closed early or fails), whether or not the drafter was
+begun (the suffix drafter adds it to its corpus).
 
 Optional attribute `prefill_tokens: int` (default 0), set by `begin`: how many entries the drafter's own prefill
 read (EAGLE-2: the whole prompt, media included; HiViS: its text only). The engine reports it per request.
@@ -49,6 +50,16 @@ class Drafter(Protocol):
 
     def observe(self, tokens: list[int], hidden: torch.Tensor, bonus: int) -> None:
         """After verification: accepted path tokens (root first), target hidden [len(tokens), d], next root."""
+
+
+def stop_learning(drafter: object) -> bool:
+    """Turn off a drafter's learning from the answers it decodes (the suffix drafter's `cfg.learn`), for measurements
+    that decode a prompt more than once or must describe the drafter as built; True when there was any to stop."""
+    cfg = getattr(drafter, "cfg", None)
+    if not getattr(cfg, "learn", False):
+        return False
+    drafter.cfg = cfg.model_copy(update={"learn": False})
+    return True
 
 
 def target_features(drafter: object, out: "TargetOutput") -> torch.Tensor:

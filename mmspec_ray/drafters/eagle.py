@@ -48,9 +48,16 @@ class Eagle2Config(BaseModel):
         kv = int(getattr(tc, "num_key_value_heads", None) or heads)
         return cls(hidden_size=target.hidden_size, num_heads=heads, num_kv_heads=kv,
                    intermediate_size=int(getattr(tc, "intermediate_size", 4 * target.hidden_size)),
-                   rope_theta=float(getattr(tc, "rope_theta", None) or 10000.0),
+                   rope_theta=target_rope_theta(tc),
                    target_model_type=target.config.model_type, target_vocab_size=target.vocab_size,
                    target_id=target.identity or "")
+
+
+def target_rope_theta(text_config) -> float:
+    """The target's RoPE base: `rope_parameters["rope_theta"]` (transformers 5), else the older `rope_theta`, else
+    10000. A head trained here rotates at its target's base."""
+    params = getattr(text_config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta") or getattr(text_config, "rope_theta", None) or 10000.0)
 
 
 class Eagle2Head(nn.Module):

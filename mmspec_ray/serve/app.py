@@ -28,6 +28,7 @@ from mmspec_ray.batch.cluster import serve_replica_on_loopback
 from mmspec_ray.batch.plan import auto_gpus
 from mmspec_ray.batch.decoder import SpecDecoder
 from mmspec_ray.config import SamplingParams
+from mmspec_ray.drafters.base import stop_learning
 from mmspec_ray.serve.errors import APIError, target_error
 from mmspec_ray.serve.messages import remote_media, to_request
 from mmspec_ray.serve.metrics import ServeMetrics
@@ -75,6 +76,8 @@ class ChatServer:
         self.api_key = s.api_key()
         self.model = s.served_name
         self.decoder = SpecDecoder(s.decode)
+        if stop_learning(self.decoder.drafter):  # one user's answers must not shape (nor, by timing, reveal to)
+            log.info("drafter learning from decoded answers is off in the endpoint")  # another user's drafts
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmspec-decode")
         self.slot = asyncio.Lock()  # the decoder: one request at a time
         self.waiting = 0

@@ -230,8 +230,9 @@ class VLMTarget:
         except TargetError:
             raise
         except ValueError as e:  # e.g. placeholders and media that do not pair up: said as the request's problem
-            raise TargetError(f"the {self.family} processor rejected the request ({e}); give the messages exactly "
-                              "one image part per image and one video part per clip") from e
+            raise TargetError(f"the {self.family} processor rejected the request ({e}); the request's media parts "
+                              "and its images and clips must pair up (one image part per image; see docs/models.md "
+                              "for how this family takes clips)") from e
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
     def check_length(self, n_prompt: int, max_new_tokens: int) -> None:

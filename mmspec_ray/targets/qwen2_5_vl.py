@@ -83,6 +83,8 @@ class Qwen25VLTarget(VLMTarget):
             return None
         model = self._mrope_model()
         params = inspect.signature(model.get_rope_index).parameters
+        if "mm_token_type_ids" in params and "mm_token_type_ids" not in inputs:
+            return None  # the model itself cannot place media by 3-axis ids without them
         with torch.inference_mode():
             pos, _ = model.get_rope_index(**{k: v for k, v in inputs.items() if k in params})
         return pos[-3:].long()

@@ -578,7 +578,10 @@ class SuffixMethod(TrainingMethod):
 
     def build(self, target: "VLMTarget", examples: list[FeatureExample], out: Path) -> Path:
         """Write the corpus of `examples`' answers for `target` into `out`."""
-        answers = [ex.input_ids[ex.n_prompt:].tolist() for ex in examples]
+        answers = [a for a in (ex.input_ids[ex.n_prompt:].tolist() for ex in examples) if a]
+        if not answers:
+            raise ValueError("suffix: no answers to build the corpus from (no examples, or every answer empty); give "
+                             "data the target answers")
         cfg = self.cfg.model_copy(update={"target_vocab_size": target.vocab_size, "target_id": target.identity or ""})
         return SuffixDrafter.save(out, answers, cfg)
 

@@ -252,7 +252,8 @@ def train_single_process(job: TrainJob, features: str, held: list[str]) -> list[
     target = load_job_target(job)
     examples = load_features(features)
     mm = [e for e in examples if e.multimodal]
-    text = [e for e in examples if not e.multimodal] if stage_schedule(m, job.train).uses_text else []
+    text = ([e for e in examples if not e.multimodal] if stage_schedule(m, job.train).uses_text or m.corpus_only
+            else [])  # a corpus takes every answer
     run = mmspec_home() / "train-runs" / run_name(job)
     train_drafter(m, target, mm, run, job.train, heldout=heldout_requests(job, job.decode_config(), held),
                   tree=job.tree, text_examples=text)
@@ -309,11 +310,12 @@ def prepare_head_init(job: TrainJob) -> HeadInit:
 
 def measure_heldout(job: TrainJob, held: list[str]) -> tuple[float, int]:
     """The published drafter's τ on the held-out rows (greedy, the job's tree), and how many rows it ran on."""
-    from mmspec_ray.drafters.base import load_drafter
+    from mmspec_ray.drafters.base import load_drafter, stop_learning
 
     target = load_job_target(job)
     requests = heldout_requests(job, job.decode_config(), held)
     drafter = load_drafter(job.out, target, s3=job.decode_config().s3)
+    stop_learning(drafter)  # a learning drafter (suffix) is measured as published, not on held-out answers it learnt
     return heldout_tau(target, drafter, requests, job.tree, job.train.eval_max_new_tokens), len(requests)
 
 

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from mmspec_ray.decoding.engine import SpecEngine
 from mmspec_ray.decoding.tree import TreeConfig
-from mmspec_ray.drafters.base import load_drafter
+from mmspec_ray.drafters.base import load_drafter, stop_learning
 from mmspec_ray.targets.base import Request, VLMTarget
 from mmspec_ray.training.datagen import FeatureExample
 from mmspec_ray.training.methods import TrainingMethod, training_method
@@ -106,7 +106,7 @@ def build_corpus(m: TrainingMethod, target: VLMTarget, examples: list[FeatureExa
                                                                        for e in examples),
            "train_s": time.time() - t0}
     drafter = load_drafter(str(out), target)
-    drafter.cfg = drafter.cfg.model_copy(update={"learn": False})  # τ of the corpus as built, not of held-out answers
+    stop_learning(drafter)  # τ of the corpus as built, not of the held-out answers it would learn on the way
     rec["heldout_tau"] = heldout_tau(target, drafter, list(heldout), tree, cfg.eval_max_new_tokens)
     (out / "history.json").write_text(json.dumps([rec], indent=2))
     log.info("%s drafter corpus: %s", m.name, json.dumps(rec))
