@@ -109,6 +109,9 @@ class SpecDecoder:
         # a row that calibrates the tree, or the decoder's first (cold caches, lazy inits), is no fair speed sample
         settled = self.engine.calibrator is None and self.rows_done > 0
         self.rows_done += 1
+        sample = self.ar_left > 0 and settled
+        # every other sampled row runs its AR decode first: the second decode of a request finds warm caches
+        ar_first = self._ar_decode(request, row_id) if sample and len(self.samples) % 2 else None
         try:
             gen = self.engine.generate(request, cfg.sampling_for(row_id), cfg.max_new_tokens, cfg.stop)
         except PromptTooLong as e:
@@ -120,8 +123,8 @@ class SpecDecoder:
         except Exception as e:  # a bug or a device error on one row must not end the job
             log.exception("row %r failed", row_id)
             return error_output(f"internal: {type(e).__name__}: {e}", "internal")
-        if self.ar_left > 0 and settled:
-            self._sample_ar(request, row_id, gen)
+        if sample:
+            self._sample_ar(request, row_id, gen, ar_first)
         return {
             "output_text": gen.text,
             "output_token_ids": list(gen.token_ids),
@@ -133,15 +136,23 @@ class SpecDecoder:
             "error_kind": None,
         }
 
-    def _sample_ar(self, request: Request, row_id: Any, gen: Generation) -> None:
-        """Decode the row again with plain AR decoding (the same engine loop, no drafter) and keep both timings;
-        at temperature 0 the answers must be equal (float32; docs/design.md, Precision)."""
+    def _ar_decode(self, request: Request, row_id: Any) -> Generation | None:
+        """The row decoded with plain AR decoding (the same engine loop, no drafter); None if that failed (the
+        sample is best effort; the row's answer is made apart)."""
+        cfg = self.config
+        try:
+            return AREngine(self.target).generate(request, cfg.sampling_for(row_id), cfg.max_new_tokens, cfg.stop)
+        except Exception:
+            log.warning("speedup sample of row %r failed", row_id, exc_info=True)
+            return None
+
+    def _sample_ar(self, request: Request, row_id: Any, gen: Generation, ar: Generation | None = None) -> None:
+        """Keep the row's speculative and AR timings (`ar`: its AR decode when it ran first, else decoded now); at
+        temperature 0 the answers must be equal (float32; docs/design.md, Precision)."""
         cfg = self.config
         self.ar_left -= 1
-        try:
-            ar = AREngine(self.target).generate(request, cfg.sampling_for(row_id), cfg.max_new_tokens, cfg.stop)
-        except Exception:  # the sample is best effort; the row's answer is already made
-            log.warning("speedup sample of row %r failed", row_id, exc_info=True)
+        ar = ar or self._ar_decode(request, row_id)
+        if ar is None:
             return
         same = ar.token_ids == gen.token_ids if cfg.temperature == 0.0 else None
         if same is False:
