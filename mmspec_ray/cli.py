@@ -359,7 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--drafter", default="auto",
                      help="auto (the default: the toy world's shipped drafter, the one measured fastest there: toy-s "
-                     "its EAGLE-2, trained on first use; toy-m toy-s as draft model; ngram for other targets), none (plain AR), ngram, a drafter checkpoint directory (this "
+                     "its suffix drafter, built on first use; toy-m toy-s as draft model; ngram for other targets), "
+                     "none (plain AR), ngram, suffix (an empty corpus that learns from the answers it decodes), a "
+                     "drafter checkpoint directory (this "
                      "project's, or a released EAGLE-1/2/3 or SpecForge head: `mmspec drafter inspect`), draft-model:PATH (a "
                      "smaller checkpoint of the target's family, same tokenizer and processor; no training; PATH may be "
                      "a toy world name, e.g. toy-s for toy-m), or a method name (eagle2, eagle3, hivis, ...) with a toy "

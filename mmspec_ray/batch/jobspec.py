@@ -63,8 +63,8 @@ class DecodeConfig(BaseModel):
 
     target: str = Field(..., description="checkpoint directory or s3:// prefix (save_pretrained layout)")
     drafter: str = Field(DEFAULT_DRAFTER, description=(
-        '"auto" (a toy world\'s shipped drafter: toy-s its EAGLE-2, trained on first use, toy-m toy-s as draft model; '
-        'ngram for other targets), "none", "ngram" or '
+        '"auto" (a toy world\'s shipped drafter: toy-s its suffix drafter, built on first use, toy-m toy-s as draft '
+        'model; ngram for other targets), "none", "ngram", "suffix" or '
         "a trained drafter checkpoint directory or s3:// prefix, or draft-model:PATH (a smaller checkpoint of the "
         "target's family sharing its tokenizer and processor)"))
     device: str = Field("auto", description='"auto" (cuda when the actor has a GPU), "cpu", "cuda", "cuda:1" ...')
