@@ -96,6 +96,8 @@ class VLMTarget:
     takes_images: ClassVar[bool] = True
     takes_video: ClassVar[bool] = False  # native video input (else a clip is rejected, or sent as frames)
     video_as_frames: ClassVar[bool] = False  # send a clip as a sequence of images
+    # native video whose processor samples frames again unless told not to: a request's clip is already sampled
+    clips_as_sent: ClassVar[bool] = False
 
     def __init__(self, model, processor, feature_layers: tuple[int, ...] = ()) -> None:
         if processor is None:
@@ -201,6 +203,8 @@ class VLMTarget:
         images = frames.media_in_order(request) if self.video_as_frames else list(request.images)
         if request.videos and not self.video_as_frames:
             kw["videos"] = [list(c) for c in request.videos]
+            if self.clips_as_sent:
+                kw["do_sample_frames"] = False
         if images:
             kw["images"] = images
         return dict(self.processor(**kw))

@@ -37,22 +37,12 @@ class InternVLTarget(VLMTarget):
     family = "internvl"
     model_types = ("internvl",)
     takes_video = True
+    clips_as_sent = True  # no second frame sampling, whatever the saved video processor config says
 
     def check_request(self, request: Request) -> None:
         super().check_request(request)
         check_processor_parts(self.processor, request, self.family, frames_as_images=False)
         check_equal_clips(request, self.family)
-
-    def processor_inputs(self, text: str, request: Request) -> dict[str, Any]:
-        """The stock call, the request's clips taken as already sampled (no second frame sampling, whatever the
-        saved video processor config says)."""
-        kw: dict[str, Any] = {"text": text, "return_tensors": "pt"}
-        if request.images:
-            kw["images"] = list(request.images)
-        if request.videos:
-            kw["videos"] = [list(c) for c in request.videos]
-            kw["do_sample_frames"] = False
-        return dict(self.processor(**kw))
 
     def media_pieces(self, ids: torch.Tensor, inputs: dict[str, Any] | None = None) -> list[tuple[int, int]]:
         """Every run of `<IMG_CONTEXT>` tokens is one piece: an image (its tiles and thumbnail back to back) or one

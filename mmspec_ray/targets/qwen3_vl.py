@@ -32,6 +32,7 @@ class Qwen3VLTarget(Qwen25VLTarget):
     family = "qwen3_vl"
     display_name = "Qwen3-VL"
     model_types = ("qwen3_vl",)
+    clips_as_sent = True  # the video processor's own frame sampling off: the request's clip is already sampled
 
     def check_request(self, request: Request) -> None:
         """Qwen2.5-VL's checks, plus: a clip needs at least `temporal_patch_size` frames (the Qwen3-VL video
@@ -47,16 +48,6 @@ class Qwen3VLTarget(Qwen25VLTarget):
         video = getattr(self.processor, "video_processor", None)
         n = getattr(video, "temporal_patch_size", None) or self.config.vision_config.temporal_patch_size
         return int(n)
-
-    def processor_inputs(self, text: str, request: Request) -> dict[str, Any]:
-        """The stock call, with the request's clips taken as already sampled (no second frame sampling)."""
-        kw: dict[str, Any] = {"text": text, "return_tensors": "pt"}
-        if request.images:
-            kw["images"] = list(request.images)
-        if request.videos:
-            kw["videos"] = [list(c) for c in request.videos]
-            kw["do_sample_frames"] = False
-        return dict(self.processor(**kw))
 
     def media_pieces(self, ids: torch.Tensor, inputs: dict[str, Any] | None = None) -> list[tuple[int, int]]:
         """Every run of media tokens is one piece: an image, or one temporal group of a clip (the processor puts a
