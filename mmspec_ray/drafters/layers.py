@@ -44,7 +44,7 @@ def rotary(x: torch.Tensor, pos: torch.Tensor, theta: float, axes: torch.Tensor 
     if pos.dim() == 3:
         if axes is None:
             raise ValueError("3-axis position ids need the head's M-RoPE sections")
-        ang = pos.to(torch.float32).permute(1, 2, 0)[..., axes.to(pos.device)][:, None] * inv  # [B, 1, T, hd/2]
+        ang = pos.to(torch.float32).permute(1, 2, 0)[..., axes][:, None] * inv  # [B, 1, T, hd/2]
     else:
         ang = pos.to(torch.float32)[:, None, :, None] * inv  # [B, 1, T, hd/2]
     cos, sin = ang.cos(), ang.sin()
@@ -66,7 +66,9 @@ class DecoderLayer(nn.Module):
             raise ValueError(f"dim {dim}, heads {heads}, kv_heads {kv_heads}: heads must divide dim and kv_heads heads")
         self.heads, self.kv_heads, self.theta = heads, kv_heads, rope_theta
         self.head_dim = head_dim or dim // heads
-        self.axes = None if not mrope else mrope_axes(self.head_dim // 2, list(mrope[0]), mrope[1])
+        # moves with the layer's device (no copy per forward); not saved: it follows from the config
+        self.register_buffer("axes", None if not mrope else mrope_axes(self.head_dim // 2, list(mrope[0]), mrope[1]),
+                             persistent=False)
         in_dim = in_dim or dim
         self.input_norm = RMSNorm(dim, eps) if input_norm else nn.Identity()
         self.q_proj = nn.Linear(in_dim, heads * self.head_dim, bias=qkv_bias)

@@ -39,7 +39,7 @@ class SuffixConfig(BaseModel):
     method: str = "suffix"
     max_context: int = Field(4, ge=1, le=16, description="longest context (tokens) whose continuations are counted")
     learn: bool = True  # add each decoded answer to the corpus
-    # learning stops at this many corpus tokens: an index costs up to ~1.3 KB per token on diverse text (~260 MB here)
+    # learning stops at this many corpus tokens: an index costs up to ~1.35 KB per token (random runs; ~270 MB here)
     max_corpus_tokens: int = Field(200_000, ge=0)
     target_vocab_size: int = 0
     target_id: str = ""  # the checkpoint whose answers the corpus holds ("": unknown)
