@@ -84,7 +84,6 @@ class SuffixDrafter:
             self.corpus.add(list(seq))
         self.request = SuffixIndex(self.cfg.max_context)
         self.context: list[int] = []
-        self.prefill_tokens = 0
 
     # ---------- checkpoint ----------
     @classmethod
