@@ -247,12 +247,18 @@ class Eagle2Drafter:
         """Run new context entries (embeds, feats [T, d]; visual [T] bool: the entry's next token is a media
         token) causally after the existing context; keep their KV. `pos` [T] (or [3, T], M-RoPE): their position
         ids (default: slot + `pos_offset`)."""
-        S, T = self.ctx_len, embeds.shape[0]
-        dev = self.target.device
-        self._reserve(S + T)
-        mask = extend_mask(S, T, dev)
-        pos = (torch.arange(S, S + T, device=dev) + self.pos_offset if pos is None else pos.to(dev)).unsqueeze(-2)
+        S, mask, pos = self._after_context(embeds.shape[0], pos)
         out = self.head(embeds[None], feats[None], pos, mask, self.kv, S,
-                        None if visual is None else visual[None].to(dev))
-        self.ctx_len = S + T
+                        None if visual is None else visual[None].to(self.target.device))
+        self.ctx_len = S + embeds.shape[0]
         self.last = out[0, -1:]
+
+    def _after_context(self, T: int, pos: torch.Tensor | None = None) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """Room for T new entries causally after the context (the one step every drafter's context extension
+        shares): KV slots reserved, and (S = context length, the [1, 1, T, S+T] mask, position ids [1, T] or
+        [3, 1, T]: `pos` [T] / [3, T] when given, else slot + `pos_offset`). The caller runs its layers from slot
+        S and moves `ctx_len` past what it keeps."""
+        S, dev = self.ctx_len, self.target.device
+        self._reserve(S + T)
+        pos = torch.arange(S, S + T, device=dev) + self.pos_offset if pos is None else pos.to(dev)
+        return S, extend_mask(S, T, dev), pos.unsqueeze(-2)

@@ -56,6 +56,17 @@ def pieces_of(segments: torch.Tensor) -> list[tuple[int, int]]:
     return [tuple(v) for _, v in sorted(out.items())]
 
 
+def prefill_pieces(prefill: "TargetOutput", target: "VLMTarget") -> list[tuple[int, int]]:
+    """The prompt's media pieces (one per image / frame / temporal group) as the drafters read them: the prefill's
+    own `media_segments`, or, for a TargetOutput built by hand without them, the target's cut of the ids; [] for a
+    text-only prompt."""
+    if prefill.media_segments is not None:
+        return pieces_of(prefill.media_segments[0])
+    if prefill.media_mask is None:
+        return []
+    return target.media_pieces(prefill.input_ids[0])
+
+
 def id_set(src: int | list[int] | tuple[int, ...] | None) -> set[int]:
     """A config's token id field (an id, a list of ids or None) as a set."""
     return set() if src is None else set(src) if isinstance(src, (list, tuple)) else {src}
