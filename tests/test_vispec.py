@@ -1,7 +1,8 @@
 """ViSpec: the vision adaptor compresses every image / frame of every family into n_c tokens at the
 piece's last position ids (text keeps its own), the global feature reaches every later text entry and stops at
-the next image (a clip's frames pool theirs), training computes what inference drafts, loss falls and resumes,
-MTP runs in stage 2 only, and a briefly trained drafter stays lossless on one image, several images and video
+the next image (a clip's frames pool theirs), training computes what inference drafts (images, and clips cut by
+temporal group or frame), each objective is the loss it names (the paper's soft CE by default), loss falls and
+resumes, MTP runs in stage 2 only, and a briefly trained drafter stays lossless on one image, several images and video
 of every family, greedy and sampled."""
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from mmspec_ray.decoding.tree import TreeConfig
 from mmspec_ray.targets import Request, wrap
 from mmspec_ray.targets.base import TargetOutput, pieces_of
 from mmspec_ray.toy.prompts import at_length
-from mmspec_ray.training.datagen import DatagenRecipe, generate_features, load_features
+from mmspec_ray.training.cli import method_options
+from mmspec_ray.training.datagen import DatagenRecipe, answer_and_featurize, generate_features, load_features
+from mmspec_ray.training.losses import eagle_loss
 from mmspec_ray.training.methods import ViSpecMethod, training_method
 from mmspec_ray.training.trainer import TrainConfig, stage_schedule, train_drafter
-from mmspec_ray.training.vispec import vispec_forward
+from mmspec_ray.training.vispec import OBJECTIVES, vispec_forward
 from families import FAMILIES, build_target
 from test_engine import check_greedy_lossless, check_learned
 from tiny import random_images, tiny_llava
@@ -154,7 +157,153 @@ def test_training_forward_computes_what_inference_drafts(tmp_path):
     torch.testing.assert_close(d.last[0], pred[j], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava_onevision"])
+def test_training_forward_computes_what_inference_drafts_on_a_clip(family):
+    """A video clip on a family that cuts it by its own grid (Qwen2.5-VL: temporal groups; OneVision: frames):
+    training's pieces are the stored features' segments, inference's the real prefill's `media_segments`; they are
+    equal, and with noise 0 and features stored in float32 the training forward predicts at the prompt's end and at
+    an answer entry what the drafter does after begin + observe."""
+    torch.manual_seed(0)
+    target = build_target(family)
+    req = FAMILIES[family].requests["video"]
+    ex = answer_and_featurize(target, req, DatagenRecipe(max_new_tokens=10, dtype="float32"))
+    assert ex is not None and ex.segments is not None
+    m = ViSpecMethod()
+    head = m.head(target).float()
+    with torch.no_grad():
+        for p in head.parameters():  # img_fc's g half too, so the clip's pooled g moves every later prediction
+            if p.dim() > 1:
+                p.add_(torch.randn_like(p) * 0.05)
+    batch = m.collate([ex], [0], 0.0, torch.Generator())
+    with torch.inference_mode():
+        pre = target.prefill(target.encode(req))
+    n_p, ids, hid = ex.n_prompt, ex.input_ids.tolist(), ex.hidden.float()
+    assert pre.input_ids[0].tolist() == ids[:n_p]
+    drafted = pieces_of(pre.media_segments[0])
+    assert ex.pieces() == drafted and len(drafted) == {"qwen2_5_vl": 2, "llava_onevision": 4}[family]
+    assert batch["spans"][0] == entry_spans(drafted)
+    with torch.no_grad():
+        pred = vispec_forward(head, batch["emb"], batch["feat"], batch["valid"], batch["spans"])[0]
+    torch.testing.assert_close(pre.hidden[0], hid[:n_p], atol=1e-4, rtol=1e-4)  # float32 features: the same
+    d = ViSpecDrafter(head, target)
+    d.begin(target, pre, root=ids[n_p])
+    assert d.prefill_tokens == n_p - sum(e - s for s, e in entry_spans(drafted)) + len(drafted)
+    torch.testing.assert_close(d.last[0].float(), pred[n_p - 1], atol=1e-4, rtol=1e-4)
+    j = min(n_p + 3, len(ids) - 2)
+    d.observe(ids[n_p:j + 1], hid[n_p:j + 1], bonus=ids[j + 1])
+    torch.testing.assert_close(d.last[0].float(), pred[j], atol=1e-4, rtol=1e-4)
+
+
+def _objective_case(seed: int = 0):
+    """(target's LM head W, a two-example batch with an image and a clip, a head with random weights)."""
+    torch.manual_seed(seed)
+    target = wrap(*tiny_llava(init=0.3))
+    reqs = [Request(prompt="describe the image", images=tuple(random_images(1, seed=2))),  # answers free of
+            Request(prompt="what is happening", videos=(tuple(random_images(3, seed=54)),))]  # media placeholders
+    exs = [answer_and_featurize(target, r, DatagenRecipe(max_new_tokens=8, dtype="float32")) for r in reqs]
+    assert all(e is not None for e in exs)
+    m = ViSpecMethod()
+    head = m.head(target).float()
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() > 1:
+                p.add_(torch.randn_like(p) * 0.05)
+    batch = m.collate(exs, [0, 1], 0.0, torch.Generator())
+    return target.model.get_output_embeddings().weight.detach().float(), batch, head
+
+
+def _passes(head, batch, n: int) -> list[torch.Tensor]:
+    """The predictions of MTP passes 0..n-1 (pass m reads pass m-1's predicted features)."""
+    feat, preds = batch["feat"], []
+    for _ in range(n):
+        preds.append(vispec_forward(head, batch["emb"], feat, batch["valid"], batch["spans"]))
+        feat = torch.cat([feat[:, :1], preds[-1][:, :-1]], 1)
+    return preds
+
+
+def _by_hand(pred, batch, W, term) -> torch.Tensor:
+    """Mean over the loss-masked entries of term(p_target, draft logits), one entry at a time."""
+    vals = []
+    for b, j in batch["loss_mask"].nonzero().tolist():
+        vals.append(term(torch.softmax(batch["tgt"][b, j] @ W.T, -1), pred[b, j] @ W.T))
+    return torch.stack(vals).mean()
+
+
+def soft_ce(p: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return -(p * torch.log_softmax(s, -1)).sum()
+
+
+def test_default_objective_is_the_papers_soft_ce_in_stage_2():
+    """Stage 2 by default: the paper's Eq. 6, -sum_v p log p_draft per answer entry, averaged, mean over the two
+    MTP passes, nothing else; stage 1 (text-only EAGLE pre-training) keeps EAGLE's loss."""
+    W, batch, head = _objective_case()
+    m = training_method("vispec")
+    assert m.objective == "paper" and m.mtp_steps == 1 and OBJECTIVES == ("paper", "eagle", "l1_rank")
+    with torch.no_grad():
+        loss, parts = m.loss(head, batch, W, 0.1)
+        preds = _passes(head, batch, 2)
+        want = sum(_by_hand(p, batch, W, soft_ce) for p in preds) / 2
+        torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-5)
+        assert parts["objective_paper"] == 1.0 and abs(parts["ploss"] - want.item()) < 1e-4
+        assert loss.item() != pytest.approx(ViSpecMethod(objective="eagle").loss(head, batch, W, 0.1)[0].item())
+        m.stage2 = False
+        stage1, _ = m.loss(head, batch, W, 0.1)
+        assert torch.equal(stage1, torch.zeros(()) + eagle_loss(preds[0], batch["tgt"], W, batch["loss_mask"])[0])
+
+
+def test_eagle_objective_reproduces_eagles_loss_exactly():
+    """objective=eagle: mean over the passes of smooth-L1 + p_weight x soft CE, bit for bit what ViSpec trained on
+    before the objective was an option."""
+    W, batch, head = _objective_case()
+    m = ViSpecMethod(objective="eagle")
+    with torch.no_grad():
+        loss, parts = m.loss(head, batch, W, 0.1)
+        want = torch.zeros(())
+        for p in _passes(head, batch, 2):
+            want = want + eagle_loss(p, batch["tgt"], W, batch["loss_mask"], p_weight=0.1)[0] / 2
+    assert torch.equal(loss, want) and parts["objective_eagle"] == 1.0 and "vloss_pass1" in parts
+
+
+def test_l1_rank_objective_is_the_authors_code_loss():
+    """objective=l1_rank, stage 2: 10 x sum_v |p_draft - p| + 0.1 x the Plackett-Luce NLL of the target's top-10
+    order; stage 1: smooth-L1 + 0.1 x (soft CE + 0.1 x that ranking), each per entry, averaged."""
+    W, batch, head = _objective_case()
+    m = ViSpecMethod(objective="l1_rank", mtp_steps=0)
+
+    def rank(p: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        order = p.argsort(descending=True)[:10].tolist()
+        return -sum(s[order[i]] - torch.logsumexp(s[order[i:]], 0) for i in range(10))
+
+    def l1(p: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return (torch.softmax(s, -1) - p).abs().sum()
+
+    with torch.no_grad():
+        pred = _passes(head, batch, 1)[0]
+        loss, parts = m.loss(head, batch, W, 0.1)
+        want = 10 * _by_hand(pred, batch, W, l1) + 0.1 * _by_hand(pred, batch, W, rank)
+        torch.testing.assert_close(loss, want, atol=1e-4, rtol=1e-5)
+        assert parts["objective_l1_rank"] == 1.0 and {"l1", "rank", "ploss", "vloss", "top1"} <= set(parts)
+        m.stage2 = False
+        vloss = eagle_loss(pred, batch["tgt"], W, batch["loss_mask"])[1]["vloss"]
+        want1 = vloss + 0.1 * (_by_hand(pred, batch, W, soft_ce) + 0.1 * _by_hand(pred, batch, W, rank))
+        torch.testing.assert_close(m.loss(head, batch, W, 0.1)[0], want1, atol=1e-4, rtol=1e-5)
+
+
+def test_objective_option_from_the_command_line():
+    """`--method-option objective=eagle` reaches the method and the head's config.json; an unknown one is refused."""
+    target = wrap(*tiny_llava(init=0.3))
+    opts = method_options(["objective=eagle", "mtp_steps=2"])
+    assert opts == {"objective": "eagle", "mtp_steps": 2}
+    m = training_method("vispec", opts)
+    assert (m.objective, m.mtp_steps) == ("eagle", 2) and m.head(target).cfg.objective == "eagle"
+    assert training_method("vispec", method_options(["objective=l1_rank"])).objective == "l1_rank"
+    assert training_method("vispec").head(target).cfg.objective == "paper"
+    with pytest.raises(ValueError, match="objective 'soft_ce'"):
+        training_method("vispec", {"objective": "soft_ce"})
+
+
 def test_vispec_training_lowers_the_loss_resumes_mtp_in_stage_2_only(tmp_path):
+    """The default (paper) objective: the loss falls, a stopped run resumes, MTP in stage 2 only."""
     target = wrap(*tiny_llava(init=0.3))
     mm = _features(target, [Request(prompt="describe the image", images=tuple(random_images(1, seed=i)))
                             for i in range(6)]
@@ -174,6 +323,8 @@ def test_vispec_training_lowers_the_loss_resumes_mtp_in_stage_2_only(tmp_path):
     assert [h["epoch"] for h in hist] == list(range(1, 7))
     assert [h["items"]["text"] > 0 for h in hist] == [True, True, False, False, False, False]
     assert ["vloss_pass1" in h for h in hist] == [False, False, True, True, True, True]  # MTP: stage 2 only
+    assert all(h["objective_paper"] == 1.0 for h in hist)  # the run says which objective trained it
+    assert json.loads((out / "config.json").read_text())["objective"] == "paper"
     W = target.model.get_output_embeddings().weight.detach().float()
     torch.manual_seed(cfg.seed)
     head0 = m.head(target).float()

@@ -28,8 +28,8 @@ from torch import nn
 
 from mmspec_ray.drafters.base import register_drafter
 from mmspec_ray.drafters.eagle import Eagle2Config, Eagle2Drafter, Eagle2Head
-from mmspec_ray.targets.base import pieces_of
-from mmspec_ray.drafters.layers import extend_mask, rms_normalise
+from mmspec_ray.drafters.layers import rms_normalise
+from mmspec_ray.targets.base import prefill_pieces
 
 if TYPE_CHECKING:
     from mmspec_ray.targets.base import TargetOutput, VLMTarget
@@ -47,6 +47,9 @@ class ViSpecConfig(Eagle2Config):
     # loads as it was trained (False).
     media_norm: bool = False
     adaptor_bias: bool = False  # the adaptor's k / v projections with a bias (the authors' heads of Qwen targets)
+    # The training objective the head was fitted with (`training.vispec.objective_loss`), kept with the checkpoint so
+    # runs can be told apart; drafting ignores it. None: not recorded (heads saved before it was, or built by hand).
+    objective: str | None = None
 
     @classmethod
     def for_target(cls, target: "VLMTarget") -> "ViSpecConfig":
@@ -164,14 +167,7 @@ class ViSpecDrafter(Eagle2Drafter):
         dt = self.target.dtype
         feats = prefill.hidden[0].to(dt)
         nxt = torch.cat([prefill.inputs_embeds[0][1:].to(dt), self._embed([root])], 0)
-        seg = prefill.media_segments
-        if seg is not None:
-            pieces = pieces_of(seg[0])
-        elif prefill.media_mask is not None:  # a TargetOutput built by hand: pieces from the ids
-            pieces = target.media_pieces(prefill.input_ids[0])
-        else:
-            pieces = []
-        x, pos, glob = self.head.sequence(nxt, feats, entry_spans(pieces))
+        x, pos, glob = self.head.sequence(nxt, feats, entry_spans(prefill_pieces(prefill, target)))
         self.head.glob = glob
         self._append(x, pos)
         self.pos_offset = nxt.shape[0] - self.ctx_len  # next slot ctx_len has position n (uncompressed count)
@@ -179,10 +175,7 @@ class ViSpecDrafter(Eagle2Drafter):
 
     def _append(self, x: torch.Tensor, pos: torch.Tensor) -> None:
         """Run ready layer inputs x [T, d] at position ids pos [T] causally after the context; keep their KV."""
-        S, T = self.ctx_len, x.shape[0]
-        dev = self.target.device
-        self._reserve(S + T)
-        mask = extend_mask(S, T, dev)
-        out = self.head.layer(x[None], pos[None].to(dev), mask, self.kv, S)
-        self.ctx_len = S + T
+        S, mask, pos = self._after_context(x.shape[0], pos)
+        out = self.head.layer(x[None], pos, mask, self.kv, S)
+        self.ctx_len = S + x.shape[0]
         self.last = out[0, -1:]

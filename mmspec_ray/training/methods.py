@@ -223,8 +223,9 @@ class SpecFlashMethod(TrainingMethod):
 class ViSpecMethod(TrainingMethod):
     """ViSpec: stage 1 text-only EAGLE pre-training (the first `default_text_epochs`), then stage 2 on the target's
     long, sampled answers (`long_answers`, `answer_temperature`) entered at once, with the vision adaptor, the
-    global feature and `mtp_steps` multi-token-prediction passes (training/vispec.py). Options override the head
-    config (n_c) and the MTP depth, for ablations."""
+    global feature and `mtp_steps` multi-token-prediction passes (training/vispec.py). Options: `objective` (paper:
+    the soft CE of the paper's Eq. 6, the default; eagle: EAGLE's smooth-L1 + soft CE; l1_rank: the authors'
+    released code), and n_c and the MTP depth, for ablations."""
 
     name = "vispec"
     needs = ("hidden", "embeds", "media")
@@ -236,8 +237,13 @@ class ViSpecMethod(TrainingMethod):
     direct_stage2 = True
     mtp_default: ClassVar[int] = 1  # spec §9.9: the README's --mtp-steps=1 (two passes)
 
-    def __init__(self, compressed: int | None = None, mtp_steps: int | None = None) -> None:
-        self.options = {} if compressed is None else {"compressed": compressed}
+    def __init__(self, compressed: int | None = None, mtp_steps: int | None = None, objective: str = "paper") -> None:
+        from mmspec_ray.training.vispec import OBJECTIVES
+
+        if objective not in OBJECTIVES:
+            raise ValueError(f"vispec objective {objective!r}: choose one of {list(OBJECTIVES)}")
+        self.objective = objective
+        self.options = {"objective": objective} | ({} if compressed is None else {"compressed": compressed})
         self.mtp_steps = self.mtp_default if mtp_steps is None else mtp_steps
         self.target: "VLMTarget | None" = None
         self.stage2 = True  # set per epoch; no MTP in stage 1
@@ -251,6 +257,8 @@ class ViSpecMethod(TrainingMethod):
 
     def begin_epoch(self, head: nn.Module, epoch: int, cfg: "TrainConfig") -> None:
         self.stage2 = epoch > stage_schedule(self, cfg).text_epochs
+        log.info("vispec epoch %d: stage %d, objective %s, %d MTP steps", epoch, 1 + self.stage2, self.objective,
+                 self.mtp_steps if self.stage2 else 0)
 
     def collate(self, examples, idx, noise, gen):
         """EAGLE's collate plus each example's media entry spans (one per image / frame / temporal group)."""
@@ -259,7 +267,8 @@ class ViSpecMethod(TrainingMethod):
         return batch
 
     def loss(self, head, batch, lm_head_weight, p_weight):
-        return vispec_loss(head, batch, lm_head_weight, p_weight, self.mtp_steps if self.stage2 else 0)
+        return vispec_loss(head, batch, lm_head_weight, p_weight, self.mtp_steps if self.stage2 else 0,
+                           self.objective, self.stage2)
 
 
 class DreamMethod(TrainingMethod):
