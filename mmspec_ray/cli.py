@@ -168,10 +168,11 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
         if a.out is None:
             if (a.examples or a.epochs or a.text_examples or a.text_epochs is not None or a.direct
                     or a.multistep_epochs is not None or a.long_answers is not None
-                    or a.answer_temperature is not None):
+                    or a.answer_temperature is not None or a.method_option):
                 raise UsageError("--examples, --epochs, --text-examples, --text-epochs, --multistep-epochs, "
-                                 "--direct, --long-answers / --plain-answers and --answer-temperature change the "
-                                 "recipe: give --out too (the cached toy drafter keeps the default recipe)")
+                                 "--direct, --long-answers / --plain-answers, --answer-temperature and "
+                                 "--method-option change the recipe: give --out too (the cached toy drafter keeps "
+                                 "the default recipe)")
             print(build_toy_drafter(a.target, a.method, force=a.force))
             return 0
         recipe = recipe_for(a.target, a.method)
@@ -187,7 +188,13 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
         if a.direct:
             train["gradual"] = False
         recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update=train)})
-        print(train_drafter_on_world(build_toy(a.target), Path(a.out), a.method, recipe, resume=not a.force))
+        method = a.method
+        if a.method_option:
+            from mmspec_ray.training.cli import method_options
+            from mmspec_ray.training.methods import training_method
+
+            method = training_method(a.method, method_options(a.method_option))
+        print(train_drafter_on_world(build_toy(a.target), Path(a.out), method, recipe, resume=not a.force))
         return 0
     raise UsageError(f"--target {a.target}: a checkpoint needs --data (a parquet of request rows the target "
                      "answers) and --out; without --data only the toy worlds (toy-s, toy-m) train on their own data")

@@ -121,3 +121,23 @@ def test_method_options_reach_the_method_and_unknown_ones_are_refused():
         training_method("eagle2", {"min_answer_words": 0})
     with pytest.raises(ValueError, match="expected KEY=VALUE"):
         method_options(["min_answer_words"])
+
+
+def test_method_options_reach_a_toy_world_run_and_need_out(tmp_path, capsys, monkeypatch):
+    """With a toy target, `--method-option` builds the method with its options (the toy path trains that method
+    object); without --out it is refused, since the cached toy drafter keeps the default recipe."""
+    import mmspec_ray.toy.build as build
+    import mmspec_ray.toy.drafter as drafter
+    from mmspec_ray.cli import main
+
+    seen = {}
+    monkeypatch.setattr(build, "build_toy", lambda name: name)
+    monkeypatch.setattr(drafter, "train_drafter_on_world",
+                        lambda world, out, method, recipe, resume=True: seen.update(method=method) or out)
+    assert main(["train-drafter", "--target", "toy-s", "--method", "vispec", "--method-option", "objective=eagle",
+                 "--method-option", "mtp_steps=2", "--out", str(tmp_path / "d")]) == 0
+    m = seen["method"]
+    assert m.name == "vispec" and m.mtp_steps == 2 and m.objective == "eagle"
+    assert main(["train-drafter", "--target", "toy-s", "--method", "vispec", "--method-option",
+                 "objective=eagle"]) == 2
+    assert "--method-option change the recipe: give --out too" in capsys.readouterr().err
