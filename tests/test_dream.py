@@ -190,6 +190,91 @@ def test_features_carry_the_selected_intermediate_layer_output(tmp_path):
                       TrainConfig(epochs=1))
 
 
+def test_training_reads_the_draft_stream_the_drafter_reads_under_compression(tmp_path):
+    """VTC in training: features store the prompt's last-layer attention from the engine's own prefill; with noise
+    0 the training forward's final features at every answer entry equal the drafter's after begin + observe on
+    the same sequence (vtc_keep 0.5: the same kept prompt positions, stream positions and memory visibility)."""
+    from mmspec_ray.targets.base import TargetOutput
+    from mmspec_ray.training.dream import dream_forward
+
+    target = wrap(*tiny_llava(init=0.3))
+    req = Request(prompt="describe the image", images=tuple(random_images(1, seed=3)))
+    ex = load_features(generate_features(target, [req], DatagenRecipe(max_new_tokens=8, mid_features=True,
+                                                                       dtype="float32"), tmp_path / "f"))[0]
+    n0, n = ex.n_prompt, ex.input_ids.shape[0]
+    pre = target.prefill(target.encode(req), attention=True)
+    assert ex.received is not None and torch.equal(ex.received, pre.attention_received[0].float().cpu())
+    d = DreamDrafter.random(target, seed=3)
+    d.head.cfg = d.head.cfg.model_copy(update={"vtc_keep": 0.5})
+    m = training_method("dream")
+    batch = m.collate([ex], [0], 0.0, torch.Generator())
+    with torch.no_grad():
+        s, out, _ = dream_forward(d.head, batch)
+    v = int(ex.media.sum())
+    assert v > 1 and int(s["valid"].sum()) == n - v + round(0.5 * v)  # the stream is cut
+    at = {int(p): j for j, p in enumerate(s["orig"][0].tolist()) if bool(s["valid"][0, j])}
+    prompt = TargetOutput(logits=pre.logits, hidden=ex.hidden[None, :n0], input_ids=ex.input_ids[None, :n0],
+                          inputs_embeds=ex.embeds[None, :n0], media_mask=ex.media[None, :n0],
+                          attention_received=ex.received[None])
+    ans = ex.input_ids[n0:].tolist()
+    d.begin(target, prompt, root=ans[0])
+    assert sorted(at)[:d.prefill_tokens] == d.kept_positions(prompt).nonzero().flatten().tolist() + [n0]
+    for t in range(len(ans)):
+        if t:
+            d.observe([ans[t - 1]], ex.hidden[n0 + t - 1:n0 + t], bonus=ans[t])
+        torch.testing.assert_close(d.last[0], out[0, at[n0 + t]], atol=1e-4, rtol=1e-4)
+
+
+def test_the_intermediate_loss_supervises_block_1_by_default():
+    """The paper's tap (E^1, the initial block's output) is the default; the authors' cross-attention block output
+    is the `intermed_tap` option, and a misspelt option is refused."""
+    from mmspec_ray.drafters.dream import DreamConfig
+    from mmspec_ray.training.dream import dream_loss
+    from mmspec_ray.training.methods import DreamMethod
+
+    target = wrap(*tiny_llava(init=0.3))
+    W = target.model.get_output_embeddings().weight.detach().float()
+    assert DreamConfig.for_target(target).intermed_tap == "block1"
+    torch.manual_seed(0)
+    B, T, d = 2, 6, target.hidden_size
+    batch = {"emb": torch.randn(B, T, d), "mem": torch.randn(B, T, d), "tgt": torch.randn(B, T, d),
+             "mid": torch.zeros(B, T, d), "loss_mask": torch.ones(B, T, dtype=torch.bool),
+             "valid": torch.ones(B, T, dtype=torch.bool)}
+    for tap in ("block1", "ca_block"):
+        head = DreamMethod(intermed_tap=None if tap == "block1" else tap).head(target).float()
+        assert head.cfg.intermed_tap == tap
+        with torch.no_grad():
+            k, v = head.cross.memory(batch["mem"])
+            cross = torch.ones(T, T, dtype=torch.bool).tril()[None, None].expand(B, 1, T, T)
+            _, e1, f = head(batch["emb"], torch.arange(T)[None].expand(B, -1),
+                            torch.ones(T, T, dtype=torch.bool).tril()[None, None].expand(B, 1, T, T), k, v, cross)
+            batch["mid"] = e1 if tap == "block1" else f
+            assert dream_loss(head, batch, W)[1]["midloss"] < 1e-6
+    with pytest.raises(ValueError, match="intermed_tap 'block2'"):
+        DreamMethod(intermed_tap="block2")
+
+
+def test_old_features_without_attention_train_uncompressed_with_a_warning(tmp_path, caplog):
+    """Features stored before `received` existed: the batch keeps every visual token, and a warning says so once."""
+    import dataclasses
+    import logging
+
+    from mmspec_ray.training.dream import draft_stream
+
+    target = wrap(*tiny_llava(init=0.3))
+    reqs = [Request(prompt="describe the image", images=tuple(random_images(1, seed=i))) for i in range(2)]
+    new = _features(target, reqs, tmp_path / "f", n_tokens=4)
+    old = [dataclasses.replace(ex, received=None) for ex in new]
+    m = training_method("dream")
+    with caplog.at_level(logging.WARNING):
+        m.check(old)
+        batch = m.collate(old, [0, 1], 0.0, torch.Generator())
+    assert sum("stored without the prompt's last-layer attention" in r.message for r in caplog.records) == 1
+    assert torch.equal(draft_stream(batch, 0.75)["valid"], batch["valid"])
+    cut = draft_stream(m.collate(new, [0, 1], 0.0, torch.Generator()), 0.75)["valid"]
+    assert int(cut.sum()) < int(batch["valid"].sum())
+
+
 def test_dream_training_lowers_the_loss_resumes_and_stays_lossless(tmp_path):
     target = wrap(*tiny_llava(init=0.3))
     mm = _features(target, [Request(prompt="describe the image", images=tuple(random_images(1, seed=i)))

@@ -18,12 +18,13 @@ Visual token compression (VTC, spec §3): at prefill the target reports the atte
 last layer from the text query rows (`TargetOutput.attention_received`); the draft stream keeps all text tokens
 and the `vtc_keep` share of media tokens with the highest scores (all images and frames ranked together), in
 order, at contiguous draft positions. The cross-attention memory keeps every target feature. The target is never
-touched, so VTC changes speed only.
+touched, so VTC changes speed only. Training builds the same stream from the scores stored with each example
+(`FeatureExample.received`; training/dream.py).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +32,8 @@ from torch import nn
 
 from mmspec_ray.drafters.base import register_drafter
 from mmspec_ray.drafters.eagle import Eagle2Config, Eagle2Drafter, Eagle2Head
-from mmspec_ray.drafters.layers import DecoderLayer, RMSNorm, extend_mask
-from mmspec_ray.decoding.tree import DraftTree, TreeConfig, TreeSteps, grow_dynamic_tree
+from mmspec_ray.drafters.layers import DecoderLayer, RMSNorm
+from mmspec_ray.decoding.tree import TreeConfig, TreeSteps
 
 if TYPE_CHECKING:
     from mmspec_ray.targets.base import TargetOutput, VLMTarget
@@ -42,8 +43,11 @@ class DreamConfig(Eagle2Config):
     """EAGLE-2's sizes (the target's width, heads and FFN) plus the VTC share and the intermediate-loss tap."""
 
     method: str = "dream"
-    vtc_keep: float = 0.75  # share of visual tokens the draft stream keeps (paper default 75 %); 1.0: no VTC
-    intermed_tap: str = "ca_block"  # which draft feature the intermediate loss supervises: ca_block (code), block1
+    # share of visual tokens the draft stream keeps (paper default 75 %), in training and drafting alike; 1.0: no VTC
+    vtc_keep: float = 0.75
+    # which draft feature the intermediate loss supervises (training only): block1, the initial block's output (the
+    # paper's E^1), or ca_block, the cross-attention block's output (the authors' released training code)
+    intermed_tap: Literal["block1", "ca_block"] = "block1"
     # initial value of the cross-attention block's tanh gates (attention and MLP), read at initialisation only. The
     # authors' code starts them at 0 (the block starts as the identity), but at 0 the block's projections get exactly
     # zero gradient and on the toy schedule the gates never open, so the block goes unused; 1.0 (tanh 0.76) trains
@@ -66,6 +70,16 @@ def compress_visual(media: torch.Tensor, scores: torch.Tensor, keep: float) -> t
     order = torch.sort(-scores[idx].float(), stable=True).indices[:k]
     out[idx[order]] = True
     return out
+
+
+def stream_memory_mask(orig: torch.Tensor, mem_len: int, null_slot: bool = True) -> torch.Tensor:
+    """[T, mem_len] bool: which memory slots (0: null, 1 + p: the target feature at position p) the stream entries
+    at original positions `orig` [T] may attend: the null slot and the features before their own position (the
+    null slot only at position 0 when `null_slot` is off). One rule for drafting and training."""
+    cross = torch.arange(mem_len, device=orig.device)[None] <= orig[:, None]
+    if not null_slot:
+        cross[:, 0] = orig == 0
+    return cross
 
 
 class CrossAttention(nn.Module):
@@ -197,31 +211,28 @@ class DreamDrafter(Eagle2Drafter):
         self._extend_stream(self._embed(tokens[1:] + [bonus]), orig)
         self.root_pos += len(tokens)
 
-    @torch.inference_mode()
-    def propose(self, root: int, cfg: TreeConfig) -> DraftTree:
-        S, M = self.ctx_len, self.mem_len
-        dev = self.target.device
-        self._reserve(S + cfg.top_k * cfg.depth)
-        self._reserve_memory(M + 1 + cfg.top_k * cfg.depth)
-        self._write_memory(self.last, M)  # scratch slot M: the root's draft feature (every node's ancestor)
-        root_logp = torch.log_softmax(self.target.lm_head(self.last).float(), -1)[0]
-        tree = TreeSteps(S, dev)
+    def _propose_setup(self, cfg: TreeConfig) -> None:
+        """EAGLE-2's scratch slots (both self-attention caches), and memory slots for the tree: slot M (after the
+        committed memory) holds the root's draft feature, every node's ancestor; each level's features follow."""
+        super()._propose_setup(cfg)
+        self._reserve_memory(self.mem_len + 1 + cfg.top_k * cfg.depth)
+        self._write_memory(self.last, self.mem_len)
 
-        def step(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
-            n_prev, levels, mask, new = tree.add(parents)
-            seen = new[:, :n_prev]  # strict ancestors among expanded
-            cross = torch.cat([torch.ones((tokens.shape[0], M + 1), dtype=torch.bool, device=dev), seen], 1)
-            cross[:, 0] = self.head.cfg.null_slot  # (every tree node sees the root's features)
-            n_mem = M + 1 + n_prev
-            pos = torch.tensor([[S - 1 + lv for lv in levels]], device=dev)
-            out, _, _ = self.head(self._embed(tokens.tolist())[None], pos, mask[None, None],
-                                  self.mem[0][:, :, :n_mem], self.mem[1][:, :, :n_mem], cross[None, None],
-                                  (self.kv, self.kv3), S + n_prev)  # scratch slots, overwritten next cycle
-            self._write_memory(out[0], n_mem)  # these nodes' features, for their children
-            self.passes += 1
-            return torch.log_softmax(self.target.lm_head(out[0]).float(), -1).cpu()
-
-        return grow_dynamic_tree(root, root_logp.cpu(), step, cfg)
+    def _tree_step(self, tokens: torch.Tensor, parents: torch.Tensor, tree: TreeSteps) -> torch.Tensor:
+        """One tree level: a node reads the committed memory, the root's draft feature and its strict ancestors'
+        (the tree mask inside the cross-attention); its own draft feature joins the memory for its children."""
+        S, M, dev = tree.context, self.mem_len, self.target.device
+        n_prev, levels, mask, new = tree.add(parents)
+        seen = new[:, :n_prev]  # strict ancestors among the expanded nodes
+        cross = torch.cat([torch.ones((tokens.shape[0], M + 1), dtype=torch.bool, device=dev), seen], 1)
+        cross[:, 0] = self.head.cfg.null_slot  # (every tree node sees the root's features)
+        n_mem = M + 1 + n_prev
+        pos = torch.tensor([[S - 1 + lv for lv in levels]], device=dev)
+        out, _, _ = self.head(self._embed(tokens.tolist())[None], pos, mask[None, None],
+                              self.mem[0][:, :, :n_mem], self.mem[1][:, :, :n_mem], cross[None, None],
+                              (self.kv, self.kv3), S + n_prev)  # scratch slots, overwritten next cycle
+        self._write_memory(out[0], n_mem)  # these nodes' features, for their children
+        return out[0]
 
     # ---------- internals ----------
     def _reserve(self, n: int) -> None:
@@ -250,15 +261,9 @@ class DreamDrafter(Eagle2Drafter):
     def _extend_stream(self, embeds: torch.Tensor, orig: torch.Tensor) -> None:
         """Run new stream entries (embeds [T, d] at original positions `orig` [T]) causally after the stream; the
         entry at original position p sees memory slots 0 .. p (null + features before p). Keep their KV."""
-        S, T = self.ctx_len, embeds.shape[0]
-        dev = self.target.device
-        self._reserve(S + T)
-        mask = extend_mask(S, T, dev)
-        cross = torch.arange(self.mem_len, device=dev)[None] <= orig.to(dev)[:, None]
-        if not self.head.cfg.null_slot:
-            cross[:, 0] = orig.to(dev) == 0
-        pos = torch.arange(S, S + T, device=dev)[None]
+        S, mask, pos = self._after_context(embeds.shape[0])
+        cross = stream_memory_mask(orig.to(self.target.device), self.mem_len, self.head.cfg.null_slot)
         out, _, _ = self.head(embeds[None], pos, mask, self.mem[0][:, :, :self.mem_len],
                               self.mem[1][:, :, :self.mem_len], cross[None, None], (self.kv, self.kv3), S)
-        self.ctx_len = S + T
+        self.ctx_len = S + embeds.shape[0]
         self.last = out[0, -1:]

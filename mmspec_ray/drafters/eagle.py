@@ -194,26 +194,38 @@ class Eagle2Drafter:
 
     @torch.inference_mode()
     def propose(self, root: int, cfg: TreeConfig) -> DraftTree:
-        S = self.ctx_len
-        dev = self.target.device
-        self._reserve(S + cfg.top_k * cfg.depth)
+        """EAGLE-2's dynamic tree from the newest context entry's draft output: one `_tree_step` forward per level
+        (the one copy of the growth loop every tree drafter of this family shares)."""
+        self._propose_setup(cfg)
         root_logp = self.logprobs(self.last)[0]
-        hid: list[torch.Tensor] = []  # draft outputs of expanded nodes, one [k, d] per step
-        tree = TreeSteps(S, dev)
+        tree = TreeSteps(self.ctx_len, self.target.device)
 
         def step(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
-            all_hid = torch.cat(hid, 0) if hid else None
-            feats = torch.stack([self.last[0] if p < 0 else all_hid[p] for p in parents.tolist()])
-            n_prev, levels, mask, _ = tree.add(parents)
-            pos = torch.tensor([[S - 1 + lv + self.pos_offset for lv in levels]], device=dev)
-            out = self.head(self._embed(tokens.tolist())[None], feats[None], pos, mask[None, None], self.kv,
-                            S + n_prev,  # scratch slots after the context; overwritten by the next cycle
-                            step=torch.tensor([levels], device=dev))  # a level-j node's feature is a j-th guess
-            hid.append(out[0])
+            out = self._tree_step(tokens, parents, tree)
             self.passes += 1
-            return self.logprobs(out[0]).cpu()
+            return self.logprobs(out).cpu()
 
         return grow_dynamic_tree(root, root_logp.cpu(), step, cfg)
+
+    def _propose_setup(self, cfg: TreeConfig) -> None:
+        """Before a tree's first level: scratch KV slots for every node after the context, and no node outputs yet."""
+        self._reserve(self.ctx_len + cfg.top_k * cfg.depth)
+        self._tree_out: list[torch.Tensor] = []  # draft outputs of the expanded nodes, one [k, d] per level
+
+    def _tree_step(self, tokens: torch.Tensor, parents: torch.Tensor, tree: TreeSteps) -> torch.Tensor:
+        """One tree level: the new nodes (`tokens` [k], `parents` [k] among the expanded nodes, -1: the root) run
+        in one forward over the context and their ancestors; returns their draft outputs [k, d]. EAGLE-2 feeds each
+        node its parent's draft output as its feature (the root's: the newest context entry's)."""
+        S, dev = tree.context, self.target.device
+        all_out = torch.cat(self._tree_out, 0) if self._tree_out else None
+        feats = torch.stack([self.last[0] if p < 0 else all_out[p] for p in parents.tolist()])
+        n_prev, levels, mask, _ = tree.add(parents)
+        pos = torch.tensor([[S - 1 + lv + self.pos_offset for lv in levels]], device=dev)
+        out = self.head(self._embed(tokens.tolist())[None], feats[None], pos, mask[None, None], self.kv,
+                        S + n_prev,  # scratch slots after the context; overwritten by the next cycle
+                        step=torch.tensor([levels], device=dev))  # a level-j node's feature is a j-th guess
+        self._tree_out.append(out[0])
+        return out[0]
 
     def logprobs(self, out: torch.Tensor) -> torch.Tensor:
         """Draft outputs [n, d] -> log-probabilities [n, V] over the target's vocabulary (float32): EAGLE-2 heads

@@ -1,6 +1,7 @@
 """Drafter training data: the target answers each prompt itself, then one teacher-forced target forward over
 prompt + answer records its features (last post-norm hidden state; EAGLE-3's three layers where asked), input
 embeddings (media merged in) and media segments (each image / frame / temporal group, cut as the target cuts it when a drafter drafts).
+DREAM's features add a prompt-only prefill for the last layer's attention (its visual token compression).
 
 Regenerating answers with the target (rather than using a data set's own answers) makes the drafter learn the
 distribution it will actually be asked to predict.
@@ -41,7 +42,9 @@ class DatagenRecipe(BaseModel):
     top_p: float = 1.0
     seed: int = 0
     dtype: str = "float16"  # storage dtype of features
-    mid_features: bool = False  # DREAM: also each position's entropy-selected intermediate feature (`mid`)
+    # DREAM: also each position's entropy-selected intermediate feature (`mid`) and, for a prompt with media, the
+    # attention each prompt position receives in the target's last layer at prefill (`received`, for VTC)
+    mid_features: bool = False
     aux_features: bool = False  # EAGLE-3: also the states at its three feature layers (`aux`)
 
 
@@ -74,6 +77,7 @@ def featurize(target: VLMTarget, request: Request, answer: list[int], recipe: Da
     """One teacher-forced target forward over the prompt + `answer` (the target's own answer): the example."""
     inputs = target.encode(request)
     n_prompt = inputs["input_ids"].shape[1]
+    received = prompt_attention(target, inputs) if recipe.mid_features else None
     n_layers = int(target.text_config.num_hidden_layers)
     layers = entropy_candidates(n_layers) if recipe.mid_features else ()
     aux_layers = default_feature_layers(n_layers) if recipe.aux_features else []
@@ -93,7 +97,16 @@ def featurize(target: VLMTarget, request: Request, answer: list[int], recipe: Da
     aux = torch.cat([out.layers[k][0] for k in aux_layers], -1).to(torch.bfloat16).cpu() if aux_layers else None
     positions = None if out.positions is None else out.positions[:, 0].to(torch.int32).cpu()
     return FeatureExample(out.input_ids[0].cpu(), out.hidden[0].to(dt).cpu(), out.inputs_embeds[0].to(dt).cpu(),
-                          n_prompt, out.media_mask[0].cpu(), mid, segments, aux, positions)
+                          n_prompt, out.media_mask[0].cpu(), mid, segments, aux, positions, received)
+
+
+def prompt_attention(target: VLMTarget, inputs: dict) -> torch.Tensor | None:
+    """[n_prompt] float32: the attention each prompt position receives in the target's last layer at prefill, from
+    exactly the prefill the engine runs when DREAM drafts (`prefill(attention=True)` on the prompt alone), so
+    training ranks the visual tokens as drafting will (VTC); None for a prompt without media (nothing to cut)."""
+    if not bool(target.media_mask_of(inputs["input_ids"]).any()):
+        return None
+    return target.prefill(inputs, attention=True).attention_received[0].float().cpu()
 
 
 def generate_features(target: VLMTarget, requests: Iterable[Request], recipe: DatagenRecipe, out_dir: str | Path,

@@ -273,9 +273,11 @@ class ViSpecMethod(TrainingMethod):
 
 class DreamMethod(TrainingMethod):
     """DREAM: the three-block cross-attention drafter (`DreamHead`) in one multimodal stage, on examples that carry
-    each position's entropy-selected intermediate target feature (`mid`, made at feature generation). Loss weights
-    (feature, intermediate, KL) default to the paper's (0.2, 0.2, 1.0); `w_mid` 0 is the no-intermediate-distillation
-    ablation (no `mid` needed then). `vtc_keep` / `intermed_tap` / `gate_init` override the head config."""
+    each position's entropy-selected intermediate target feature (`mid`) and each prompt's last-layer attention
+    (`received`), both made at feature generation. The loss reads the draft stream as the drafter will, cut to the
+    head's `vtc_keep` share of visual tokens. Loss weights (feature, intermediate, KL) default to the paper's (0.2,
+    0.2, 1.0); `w_mid` 0 is the no-intermediate-distillation ablation (it still reads DREAM's feature set while VTC
+    is on, for the attention stored with it). `vtc_keep` / `intermed_tap` / `gate_init` override the head config."""
 
     name = "dream"
     needs = ("hidden", "embeds", "media", "mid")
@@ -284,16 +286,43 @@ class DreamMethod(TrainingMethod):
 
     def __init__(self, w_feat: float = 0.2, w_mid: float = 0.2, w_kl: float = 1.0, vtc_keep: float | None = None,
                  intermed_tap: str | None = None, gate_init: float | None = None) -> None:
+        if intermed_tap is not None and intermed_tap not in ("block1", "ca_block"):
+            raise ValueError(f"dream: intermed_tap {intermed_tap!r}: expected block1 (the paper) or ca_block (the "
+                             "authors' code)")
         self.weights = (w_feat, w_mid, w_kl)
-        if not w_mid:
+        keep = DreamHead.config_class.model_fields["vtc_keep"].default if vtc_keep is None else vtc_keep
+        if not w_mid and keep >= 1.0:
             self.needs = ("hidden", "embeds", "media")
         self.options = {k: v for k, v in (("vtc_keep", vtc_keep), ("intermed_tap", intermed_tap),
                                           ("gate_init", gate_init)) if v is not None}
+        self.warned = False
 
     def head(self, target: "VLMTarget", examples: list[FeatureExample] | None = None) -> nn.Module:
         return self.head_class(self.head_class.config_class.for_target(target).model_copy(update=self.options))
 
+    def check(self, examples: list[FeatureExample]) -> None:
+        """The fields DREAM needs, and a warning when VTC will find no stored attention (features made before
+        examples carried it: those sequences train uncompressed)."""
+        super().check(examples)
+        self.warn_unscored(examples)
+
+    def warn_unscored(self, examples: list[FeatureExample]) -> None:
+        """Log once when examples with media lack `received` while VTC is on: training then reads their whole
+        prompt, unlike drafting (regenerate the features to train as the drafter drafts)."""
+        keep = self.options.get("vtc_keep", DreamHead.config_class.model_fields["vtc_keep"].default)
+        if self.warned or keep >= 1.0:
+            return
+        old = sum(1 for ex in examples if ex.received is None and ex.media is not None and bool(ex.media.any()))
+        if old:
+            self.warned = True
+            log.warning("dream: %d of %d examples with media were stored without the prompt's last-layer attention "
+                        "(`received`, made by feature generation since DREAM trains with visual token compression); "
+                        "they train with every visual token while drafting keeps %g of them. Regenerate the features "
+                        "(a new --work; on a toy world remove its -mid feature folder) to train as the drafter drafts",
+                        old, sum(1 for ex in examples if ex.media is not None and bool(ex.media.any())), keep)
+
     def collate(self, examples, idx, noise, gen):
+        self.warn_unscored([examples[i] for i in idx])
         return dream_collate(examples, idx, noise, gen)
 
     def loss(self, head, batch, lm_head_weight, p_weight):

@@ -47,6 +47,10 @@ class FeatureExample:
     # [3, L] int32 M-RoPE targets with media in the prompt: the target's (temporal, height, width) position ids of
     # each position (`TargetOutput.positions`); None: position i is i
     positions: torch.Tensor | None = None
+    # [n_prompt] float32 DREAM, prompts with media: the attention each prompt position receives in the target's last
+    # layer at prefill (`TargetOutput.attention_received`), which ranks the visual tokens for its visual token
+    # compression; None: a text-only prompt, or features stored before it was (DREAM then trains uncompressed)
+    received: torch.Tensor | None = None
 
     def pieces(self) -> list[tuple[int, int]] | None:
         """(start, end) of each image / frame / temporal group, as the drafter meets them when it drafts (None when
@@ -92,6 +96,8 @@ def shard_bytes(examples: list[FeatureExample], ids: list[str] | None = None,
             tensors[f"{j}.aux"] = ex.aux.contiguous()
         if ex.positions is not None:
             tensors[f"{j}.positions"] = ex.positions.to(torch.int32).contiguous()
+        if ex.received is not None:
+            tensors[f"{j}.received"] = ex.received.float().contiguous()
     meta = {"ids": json.dumps(list(ids or [])), "errors": json.dumps(errors or {}), "examples": str(len(examples)),
             "multimodal": str(sum(ex.multimodal for ex in examples))}
     return st_save(tensors, metadata=meta)
@@ -103,7 +109,7 @@ def examples_from_bytes(data: bytes) -> list[FeatureExample]:
     return [FeatureExample(t[f"{j}.input_ids"], t[f"{j}.hidden"], t[f"{j}.embeds"], int(t[f"{j}.n_prompt"][0]),
                            t[f"{j}.media"].bool() if f"{j}.media" in t else None, t.get(f"{j}.mid"),
                            t[f"{j}.segments"].long() if f"{j}.segments" in t else None, t.get(f"{j}.aux"),
-                           t.get(f"{j}.positions"))
+                           t.get(f"{j}.positions"), t.get(f"{j}.received"))
             for j in range(n)]
 
 
