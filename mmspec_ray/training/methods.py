@@ -179,7 +179,8 @@ class MSDMethod(TrainingMethod):
 class SpecFlashMethod(TrainingMethod):
     """SpecFLASH: per-image / per-frame latent compression + the semi-autoregressive head (`SpecFlashHead`),
     trained in one multimodal stage with the block-diagonal placeholder expansion (training/specflash.py).
-    Options (the C/N ratio, the query bank, K) override the head config's defaults, for ablations."""
+    Options (the C/N ratio, the query bank, K, the placeholder inputs) override the head config's defaults, for
+    ablations; `chain_groups` (inference only: chain groups of K up to the tree depth) is saved in its config."""
 
     name = "specflash"
     needs = ("hidden", "embeds", "media")
@@ -188,9 +189,10 @@ class SpecFlashMethod(TrainingMethod):
     cuts_media = True
 
     def __init__(self, ratio: float | None = None, group: int | None = None, max_queries: int | None = None,
-                 placeholder: str | None = None) -> None:
+                 placeholder: str | None = None, chain_groups: bool | None = None) -> None:
         self.options = {k: v for k, v in (("ratio", ratio), ("group", group), ("max_queries", max_queries),
-                                          ("placeholder", placeholder)) if v is not None}
+                                          ("placeholder", placeholder), ("chain_groups", chain_groups))
+                        if v is not None}
         self.target: "VLMTarget | None" = None
         self.cfg = None  # the head's config (set by head / head_from_config)
 
@@ -198,7 +200,8 @@ class SpecFlashMethod(TrainingMethod):
         """The head for `target`; also records the target, which cuts the media of examples stored without their
         segments (features generated before examples carried them)."""
         self.target = target
-        head = self.head_class(self.head_class.config_class.for_target(target).model_copy(update=self.options))
+        base = self.head_class.config_class.for_target(target)
+        head = self.head_class(base.model_validate({**base.model_dump(), **self.options}))  # options checked
         self.cfg = head.cfg
         return head
 

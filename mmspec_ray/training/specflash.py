@@ -1,12 +1,16 @@
 """SpecFLASH training data and loss (spec §3.2-3.3): teacher-forced, with the block-diagonal placeholder expansion.
 
 Per example, the drafter's real sequence is what inference builds from the prompt and the answer: entry j =
-fc([e_{j+1}; f_j]) at text positions, each image / frame's media entries replaced by its compressed vectors.
+fc([e_{j+1}; f_j]) at text positions, each image / frame's media entries replaced by its compressed vectors (one
+walk, `drafters.specflash.entry_runs`, over the pieces stored with the example).
 Every answer base j (an entry that inference can end a context on: n_prompt-1 <= j) then gets its K-1 placeholders
 appended after the real sequence, at positions pos(j)+1 .. pos(j)+K-1; placeholder (j, s) attends to the real
 entries up to j and to placeholders (j, 1..s). Slot s of base j regresses f_{j+1+s} (smooth L1) and matches
 softmax(lm_head(f_{j+1+s})) (soft cross-entropy, weight `p_weight`), valid while token x_{j+2+s} exists. Visual
 entries are never targets: the queries learn only through the text predictions that attend to them.
+Chained groups (inference on trees deeper than K) are not trained apart: their fed-back entries pair a drafted
+token with the drafter's own slot output, as EAGLE's later draft steps do, and the drafter meets them untrained,
+as EAGLE does (the feature noise is the only preparation).
 Examples are run one at a time (the expansion makes each sequence ~K x its answer long, so a padded batch's
 attention would cost K^2 more memory than EAGLE's), and their valid (entry, slot) rows share one loss mean.
 """
@@ -15,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from mmspec_ray.drafters.specflash import SpecFlashHead, compressed_count
+from mmspec_ray.drafters.specflash import SpecFlashHead, entry_runs
 from mmspec_ray.training.shards import FeatureExample
 from mmspec_ray.training.losses import eagle_loss
 
@@ -36,25 +40,19 @@ def expand_example(ex: FeatureExample, pieces: list[tuple[int, int]], ratio: flo
     if noise > 0:
         feat_all = feat_all + (torch.rand(feat_all.shape, generator=gen) - 0.5) * noise
     emb_all = ex.embeds[1:].float()
-    starts = {a: (a, min(b, n)) for a, b in pieces if a < n}
     kind, aux, piece, src = [], [], [], []  # per real row; src: the entry j of a FUSED row, else -1
     piece_feats: list[torch.Tensor] = []
-    j = 0
-    while j < n:
-        if j in starts:
-            a, b = starts[j]
-            c = compressed_count(b - a, ratio, max_queries)
-            if ratio >= 1.0:
-                for t in range(a, b):
-                    kind.append(RAW); aux.append(t); piece.append(-1); src.append(-1)
-            elif c:
-                for q in range(c):
-                    kind.append(COMPRESSED); aux.append(q); piece.append(len(piece_feats)); src.append(-1)
-                piece_feats.append(feat_all[a:b])
-            j = b
-            continue
-        kind.append(FUSED); aux.append(j); piece.append(-1); src.append(j)
-        j += 1
+    for run in entry_runs(n, pieces, ratio, max_queries):  # the walk inference's `SpecFlashHead.sequence` makes
+        if run.kind == "text":
+            for t in range(run.start, run.end):
+                kind.append(FUSED); aux.append(t); piece.append(-1); src.append(t)
+        elif run.kind == "raw":
+            for t in range(run.start, run.end):
+                kind.append(RAW); aux.append(t); piece.append(-1); src.append(-1)
+        elif run.count:
+            for q in range(run.count):
+                kind.append(COMPRESSED); aux.append(q); piece.append(len(piece_feats)); src.append(-1)
+            piece_feats.append(feat_all[run.start:run.end])
     R = len(kind)
     bases = [(i, s) for i, s in enumerate(src) if s >= ex.n_prompt - 1 and s + 2 <= L - 2] if group > 1 else []
     T = R + (group - 1) * len(bases)
@@ -92,8 +90,8 @@ def expand_example(ex: FeatureExample, pieces: list[tuple[int, int]], ratio: flo
     pf = torch.zeros(len(piece_feats), nmax, d)
     for p, f in enumerate(piece_feats):
         pf[p, :f.shape[0]] = f
-    return {"kind": kind_t, "aux": aux_t, "piece": torch.tensor(piece), "base": torch.tensor(base), "pos": pos, "mask": mask, "emb": emb,
-            "feat": feat, "tgt": tgt, "loss_mask": loss_mask, "pieces": pf,
+    return {"kind": kind_t, "aux": aux_t, "piece": torch.tensor(piece), "base": torch.tensor(base), "pos": pos,
+            "mask": mask, "emb": emb, "feat": feat, "tgt": tgt, "loss_mask": loss_mask, "pieces": pf,
             "piece_len": torch.tensor([p.shape[0] for p in piece_feats], dtype=torch.long)}
 
 
