@@ -45,6 +45,15 @@ def specflash_tree(target) -> SpecFlashDrafter:
     return d
 
 
+def specflash_chained(target) -> SpecFlashDrafter:
+    """An untrained SpecFLASH drafter with K = 2 under the depth-4 tree: each cycle chains two groups (the second
+    fed the first's drafted tokens and features)."""
+    d = SpecFlashDrafter.random(target, seed=3)
+    d.head.cfg = d.head.cfg.model_copy(update={"group": 2})
+    assert d.head.cfg.chain_groups
+    return d
+
+
 def dream_keeping(target, share: float) -> DreamDrafter:
     """An untrained DREAM drafter whose draft stream keeps `share` of the visual tokens."""
     d = DreamDrafter.random(target, seed=2)
@@ -79,6 +88,7 @@ def test_greedy_spec_equals_ar_equals_hf_for_every_drafter(family_target):
             "msd-random": MSDDrafter.random(target, seed=1),  # trained MSD: tests/test_msd.py, every family
             "specflash-random": SpecFlashDrafter.random(target, seed=1),  # trained: tests/test_specflash.py
             "specflash-tree-random": specflash_tree(target),
+            "specflash-chained-random": specflash_chained(target),
             "hivis-random": HiViSDrafter.random(target, seed=1),  # trained HiViS: tests/test_hivis.py
             "dream-random": DreamDrafter.random(target, seed=1),  # VTC 75 %; trained DREAM: tests/test_dream.py
             "dream-vtc25-random": dream_keeping(target, 0.25),
