@@ -53,7 +53,7 @@ def main() -> None:
                                        recipe={"max_new_tokens": 200}))
             taus.append(json.loads((d / "history.json").read_text())["heldout_tau"])
         rows.append(f"| {label} | {bucket} | {' / '.join(f'{t:.2f}' for t in taus)} | "
-                    f"**{statistics.mean(taus):.2f}** ± {statistics.stdev(taus):.2f} |")
+                    f"**{statistics.mean(taus):.2f}** ± {statistics.stdev(taus) if len(taus) > 1 else float('nan'):.2f} |")
     print("| trainer | bucket_batches | held-out τ per seed | mean ± sd |\n|---|---|---|---|\n" + "\n".join(rows))
 
 

@@ -90,6 +90,14 @@ def test_toy_world_trains_its_shipped_drafter_once_per_recipe(micro_world, shipp
     assert "heldout_tau" not in history[0] and "heldout_tau" in history[1]  # eval_every 5: the last epoch only
     assert json.loads((out / "recipe.json").read_text())["train"]["epochs"] == 2
 
+    from mmspec_ray.training.methods import TrainingMethod
+
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    monkeypatch.setattr(TrainingMethod, "revision", 2)  # what the method trains changed: trained again
+    assert resolve_auto_drafter("auto", str(micro_world.target)) == str(out)
+    assert (out / "model.safetensors").stat().st_mtime_ns != stamp
+    assert json.loads((out / "recipe.json").read_text())["method_revision"] == 2
+
 
 def test_a_world_may_ship_another_worlds_target_as_its_draft_model(micro_world, monkeypatch):
     """toy-m ships toy-s as draft model: `auto` resolves to draft-model:<the sibling world's target>, trains

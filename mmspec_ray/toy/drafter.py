@@ -134,6 +134,9 @@ def build_toy_drafter(name: str = "toy-s", method: str = "eagle2", force: bool =
     out = drafter_dir(world, method)
     done, made_by = out / ".complete", out / "recipe.json"
     want = recipe.model_dump(mode="json")
+    revision = training_method(method).revision if not method.startswith("draft-model") else 1
+    if revision > 1:  # a drafter trained by an earlier version of the method is trained again
+        want["method_revision"] = revision
 
     def built() -> bool:
         return not force and done.exists() and made_by.exists() and json.loads(made_by.read_text()) == want

@@ -96,6 +96,8 @@ class TrainingMethod:
     drafter_class: ClassVar[type[Eagle2Drafter]] = Eagle2Drafter
     mixes_text: ClassVar[bool] = False  # every epoch holds the text-only pool too (StageSchedule.mixed)
     corpus_only: ClassVar[bool] = False  # no weights to fit: training collects the target's answers (`build`)
+    # bumped when what the method trains changes, so a toy world's cached drafter of the method is trained again
+    revision: ClassVar[int] = 1
 
     def head(self, target: "VLMTarget", examples: list[FeatureExample] | None = None) -> nn.Module:
         """A fresh head for `target`; `examples` (the training pool) where the method fits its config to the data
@@ -230,6 +232,8 @@ class ViSpecMethod(TrainingMethod):
     the soft CE of the paper's Eq. 6, the default; eagle: EAGLE's smooth-L1 + soft CE; l1_rank: the authors'
     released code), and n_c and the MTP depth, for ablations."""
 
+    revision = 2  # the paper's objective by default
+
     name = "vispec"
     needs = ("hidden", "embeds", "media")
     head_class = ViSpecHead
@@ -281,6 +285,8 @@ class DreamMethod(TrainingMethod):
     head's `vtc_keep` share of visual tokens. Loss weights (feature, intermediate, KL) default to the paper's (0.2,
     0.2, 1.0); `w_mid` 0 is the no-intermediate-distillation ablation (it still reads DREAM's feature set while VTC
     is on, for the attention stored with it). `vtc_keep` / `intermed_tap` / `gate_init` override the head config."""
+
+    revision = 2  # compression in training, the block-1 intermediate target
 
     name = "dream"
     needs = ("hidden", "embeds", "media", "mid")
