@@ -1,8 +1,13 @@
 """DREAM ablations on a toy world (docs/drafters/dream.md).
 
-  vtc DIR OUT_ROOT        copies of the trained drafter DIR keeping 100 / 75 / 50 / 25 % of the visual tokens
-                          (OUT_ROOT/dream-vtc100 ...): VTC acts at inference only (the authors' code trains on full
-                          sequences), so one trained drafter serves every rate
+  vtc-train --target toy-m --examples 200 [--gate-init G] [--epochs N] [--heldout N] OUT_ROOT
+                          one drafter per VTC rate (OUT_ROOT/dream-vtc100 / -vtc75 / -vtc50 / -vtc25), each trained
+                          with vtc_keep at its rate: training reads the compressed stream drafting reads, so each
+                          rate needs its own training
+  vtc DIR OUT_ROOT        copies of the trained drafter DIR with config.json's vtc_keep set to 100 / 75 / 50 / 25 %
+                          (OUT_ROOT/dream-vtc100 ...): the same weights, trained at DIR's rate (75 % by default),
+                          evaluated at other rates; only drafting changes (lossless at any rate), so a copy at
+                          another rate reads a stream its head was not trained on (vtc-train trains each rate)
   nomid --target toy-m --examples 200 [--gate-init G] --out DIR
                           the same recipe as `mmspec train-drafter --method dream` without the intermediate
                           distillation term (w_mid = 0), on the same prompts and answers
@@ -27,7 +32,8 @@ RATES = (1.0, 0.75, 0.5, 0.25)
 
 
 def vtc_variants(drafter: Path, out_root: Path) -> list[Path]:
-    """One checkpoint directory per VTC rate: the same weights, config.json's vtc_keep changed."""
+    """One checkpoint directory per VTC rate: the same weights, config.json's vtc_keep changed (drafting only: the
+    head keeps the rate it was trained at)."""
     cfg = json.loads((drafter / "config.json").read_text())
     outs = []
     for rate in RATES:
@@ -37,6 +43,24 @@ def vtc_variants(drafter: Path, out_root: Path) -> list[Path]:
         (out / "config.json").write_text(json.dumps({**cfg, "vtc_keep": rate}, indent=2))
         outs.append(out)
     return outs
+
+
+def train_vtc_rates(target: str, examples: int, out_root: Path, gate_init: float | None = None,
+                    epochs: int | None = None, heldout: int | None = None) -> list[Path]:
+    """One DREAM drafter per rate of `RATES`, each trained with `vtc_keep` at that rate on the toy recipe (the same
+    prompts and answers), into OUT_ROOT/dream-vtcNN."""
+    from mmspec_ray.toy.build import build_toy
+    from mmspec_ray.toy.drafter import RECIPES, train_drafter_on_world
+    from mmspec_ray.training.methods import DreamMethod
+
+    recipe = RECIPES[target].model_copy(update={"examples": examples})
+    if heldout is not None:
+        recipe = recipe.model_copy(update={"heldout": heldout})
+    if epochs is not None:
+        recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"epochs": epochs})})
+    world = build_toy(target)
+    return [train_drafter_on_world(world, out_root / f"dream-vtc{round(rate * 100)}",
+                                   DreamMethod(vtc_keep=rate, gate_init=gate_init), recipe) for rate in RATES]
 
 
 def train_without_mid(target: str, examples: int, out: Path, heldout: int | None = None,
@@ -96,17 +120,19 @@ def top1_report(target: str, drafters: list[Path], heldout: int = 24, train: int
     from mmspec_ray.toy.build import build_toy
     from mmspec_ray.toy.drafter import RECIPES, toy_features
     from mmspec_ray.toy.prompts import toy_requests
-    from mmspec_ray.training.datagen import DatagenRecipe, generate_features, load_features
+    from mmspec_ray.training.datagen import DatagenRecipe, generate_features, load_features, with_attention
     from mmspec_ray.training.methods import training_method
 
     world = build_toy(target)
     tgt = load_target(world.target)
     recipe = RECIPES[target]
     held_dir = world.root / "drafter-data" / f"validation-n{heldout}-t{recipe.max_new_tokens}-mid"
+    held_recipe = DatagenRecipe(max_new_tokens=recipe.max_new_tokens, mid_features=True)
     if not (held_dir / "manifest.json").exists():
-        generate_features(tgt, toy_requests(world, "validation", heldout, seed=2),
-                          DatagenRecipe(max_new_tokens=recipe.max_new_tokens, mid_features=True), held_dir,
+        generate_features(tgt, toy_requests(world, "validation", heldout, seed=2), held_recipe, held_dir,
                           total=heldout)
+    else:  # a cache made before examples carried the prompts' attention (VTC in training) is made again
+        with_attention(tgt, list(toy_requests(world, "validation", heldout, seed=2)), held_dir, held_recipe)
     held = load_features(held_dir)
     train_ex = load_features(toy_features(world, tgt, recipe.model_copy(update={"examples": examples}), mid=True))[:train]
     W = tgt.model.get_output_embeddings().weight.detach().float()
@@ -135,6 +161,13 @@ def main() -> None:
     v = sub.add_parser("vtc")
     v.add_argument("drafter", type=Path)
     v.add_argument("out_root", type=Path)
+    vt = sub.add_parser("vtc-train")
+    vt.add_argument("--target", default="toy-m")
+    vt.add_argument("--examples", type=int, default=200)
+    vt.add_argument("--gate-init", type=float, default=None, help="the cross-attention gates' initial value")
+    vt.add_argument("--epochs", type=int, default=None)
+    vt.add_argument("--heldout", type=int, default=None, help="held-out prompts for τ per epoch (default: recipe's)")
+    vt.add_argument("out_root", type=Path)
     n = sub.add_parser("nomid")
     n.add_argument("--target", default="toy-m")
     n.add_argument("--examples", type=int, default=200)
@@ -157,6 +190,9 @@ def main() -> None:
     a = p.parse_args()
     if a.cmd == "vtc":
         print("\n".join(str(o) for o in vtc_variants(a.drafter, a.out_root)))
+    elif a.cmd == "vtc-train":
+        print("\n".join(str(o) for o in train_vtc_rates(a.target, a.examples, a.out_root, a.gate_init, a.epochs,
+                                                         a.heldout)))
     elif a.cmd == "nomid":
         print(train_without_mid(a.target, a.examples, a.out, a.heldout, a.gate_init))
     elif a.cmd == "gates":

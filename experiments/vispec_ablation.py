@@ -4,6 +4,7 @@ vispec itself, its ablations (n_c compressed tokens per image / frame, MTP passe
 budget).
 
     OMP_NUM_THREADS=1 python experiments/vispec_ablation.py vispec --out DIR                  # n_c 1, 1 MTP pass
+    OMP_NUM_THREADS=1 python experiments/vispec_ablation.py vispec --objective eagle --out DIR  # EAGLE's loss
     OMP_NUM_THREADS=1 python experiments/vispec_ablation.py vispec --compressed 4 --out DIR   # Table 2's sweep
     OMP_NUM_THREADS=1 python experiments/vispec_ablation.py vispec --mtp-steps 0 --out DIR    # without MTP
     OMP_NUM_THREADS=1 python experiments/vispec_ablation.py eagle2 --out DIR                  # eagle2, vispec's data
@@ -34,13 +35,17 @@ def main() -> None:
     p.add_argument("--text-epochs", type=int, default=4, help="stage-1 (text-only) epochs")
     p.add_argument("--compressed", type=int, default=None, help="vispec: n_c tokens per image / frame (default 1)")
     p.add_argument("--mtp-steps", type=int, default=None, help="vispec: MTP passes after the first (default 1)")
+    p.add_argument("--objective", choices=["paper", "eagle", "l1_rank"], default="paper",
+                   help="vispec: the training objective (paper: Eq. 6's soft CE; eagle: EAGLE's loss; l1_rank: the "
+                        "authors' code)")
     p.add_argument("--answer-temperature", type=float, default=1.0, help="stage-2 answers' sampling temperature")
     p.add_argument("--plain-answers", action="store_true", help="stage 2 on the prompts as they are (greedy)")
     p.add_argument("--heldout", type=int, default=0, help="validation prompts for a held-out τ per epoch")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO)
-    method = ViSpecMethod(a.compressed, a.mtp_steps) if a.method == "vispec" else TrainingMethod()
+    method = (ViSpecMethod(a.compressed, a.mtp_steps, objective=a.objective) if a.method == "vispec"
+              else TrainingMethod())
     recipe = RECIPES[a.target]
     recipe = recipe.model_copy(update={
         "examples": a.examples, "text_examples": a.examples, "heldout": a.heldout,

@@ -389,3 +389,36 @@ def test_attention_probes_of_decoders_in_two_threads_never_mix():
             targets[0].model(**targets[0].encode(reqs[0]))
         assert sorted(records) == sorted(layers), records
     t.join()
+
+
+def test_features_stored_without_attention_are_featurized_again(tmp_path):
+    """A DREAM feature set made before examples carried `received` is stale: `with_attention` featurizes it again
+    from its stored answers (the same examples, now with the prompt's attention); a fresh set is kept as it is.
+    An out-of-range vtc_keep is refused."""
+    import dataclasses
+
+    from mmspec_ray.training.datagen import lacks_attention, with_attention
+    from mmspec_ray.training.methods import DreamMethod
+    from mmspec_ray.training.shards import ShardStore
+
+    target = wrap(*tiny_llava(init=0.3))
+    reqs = [Request(prompt="describe the image", images=tuple(random_images(1, seed=i))) for i in range(2)]
+    reqs.append(Request(prompt="say something"))
+    recipe = DatagenRecipe(max_new_tokens=4, mid_features=True)
+    folder = generate_features(target, reqs, recipe, tmp_path / "f-mid")
+    new = load_features(folder)
+    assert not lacks_attention(folder) and with_attention(target, reqs, folder, recipe) == folder
+    store = ShardStore(str(folder))
+    for name in store.manifest()["shards"]:  # as an earlier version stored them
+        info = store.shard_info(name)
+        store.write_shard(name, [dataclasses.replace(ex, received=None) for ex in store.load_shard(name)], info.ids,
+                          info.errors)
+    assert lacks_attention(folder)
+    assert with_attention(target, reqs, folder, recipe) == folder and not lacks_attention(folder)
+    again = load_features(folder)
+    assert [ex.input_ids.tolist() for ex in again] == [ex.input_ids.tolist() for ex in new]
+    assert [ex.received is None for ex in again] == [False, False, True]  # the text-only prompt has no media
+    assert all(torch.equal(a.received, b.received) for a, b in zip(again[:2], new[:2]))
+    for keep in (0.0, 1.5):
+        with pytest.raises(ValueError, match="vtc_keep"):
+            DreamMethod(vtc_keep=keep)

@@ -14,7 +14,8 @@ from mmspec_ray.decoding.engine import AREngine, SpecEngine
 from mmspec_ray.decoding.tree import TreeConfig
 from mmspec_ray.targets import Request, wrap
 from mmspec_ray.training.datagen import DatagenRecipe, generate_features, load_features
-from mmspec_ray.training.trainer import TrainConfig, train_drafter
+from mmspec_ray.training.methods import ViSpecMethod
+from mmspec_ray.training.trainer import TrainConfig, check_resume_config, train_drafter
 from tiny import random_images, tiny_llava
 
 
@@ -69,6 +70,39 @@ def test_training_lowers_the_loss_checkpoints_resume_and_stay_lossless(target, t
         ar = AREngine(target).generate(r, max_new_tokens=24)
         sp = SpecEngine(target, d, TreeConfig(top_k=4, depth=3, total_tokens=12)).generate(r, max_new_tokens=24)
         assert sp.token_ids == ar.token_ids
+
+
+def test_resume_refuses_another_head_config_and_continues_the_same(target, tmp_path):
+    """A stopped run resumes only with the head config it was trained with: another option (or a default changed
+    since) is refused, naming the field; a ViSpec run saved before its objective was recorded trained with eagle."""
+    feats = load_features(generate_features(target, reqs(6), DatagenRecipe(max_new_tokens=8), tmp_path / "f"))
+    cfg = TrainConfig(epochs=1, text_epochs=0, batch_size=3, lr=3e-3, warmup_steps=1, eval_every=100)
+    out = tmp_path / "d"
+    train_drafter(ViSpecMethod(objective="eagle"), target, feats, out, cfg)
+    more = cfg.model_copy(update={"epochs": 2})
+    with pytest.raises(ValueError, match=r"objective 'eagle' \(saved\) vs 'paper' \(now\).*--force starts over"):
+        train_drafter(ViSpecMethod(), target, feats, out, more)
+    with pytest.raises(ValueError, match=r"compressed 1 \(saved\) vs 4 \(now\)"):
+        train_drafter(ViSpecMethod(compressed=4, objective="eagle"), target, feats, out, more)
+    assert [h["epoch"] for h in json.loads((out / "history.json").read_text())] == [1]  # nothing trained
+    # a run checkpointed before the state recorded the config, by a version that saved no objective: eagle's
+    state = torch.load(out / "trainer_state.pt", weights_only=False)
+    del state["config"]
+    torch.save(state, out / "trainer_state.pt")
+    saved = json.loads((out / "config.json").read_text())
+    del saved["objective"]
+    (out / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=r"objective 'eagle' \(saved\) vs 'paper'"):
+        train_drafter(ViSpecMethod(), target, feats, out, more)
+    train_drafter(ViSpecMethod(objective="eagle"), target, feats, out, more)
+    assert [h["epoch"] for h in json.loads((out / "history.json").read_text())] == [1, 2]
+    assert torch.load(out / "trainer_state.pt", weights_only=False)["config"]["objective"] == "eagle"
+    train_drafter(ViSpecMethod(), target, feats, out, cfg, resume=False)  # starting over takes the new options
+    assert json.loads((out / "config.json").read_text())["objective"] == "paper"
+    # a field saved before it existed reads as the head would load it (ViSpec's media_norm: off)
+    old = {k: v for k, v in json.loads((out / "config.json").read_text()).items() if k != "media_norm"}
+    with pytest.raises(ValueError, match=r"media_norm False \(saved\) vs True \(now\)"):
+        check_resume_config("vispec", old, ViSpecMethod().head(target), out)
 
 
 def test_load_drafter_errors_are_clear(target, tmp_path):

@@ -227,7 +227,7 @@ class DreamDrafter(Eagle2Drafter):
         cross = torch.cat([torch.ones((tokens.shape[0], M + 1), dtype=torch.bool, device=dev), seen], 1)
         cross[:, 0] = self.head.cfg.null_slot  # (every tree node sees the root's features)
         n_mem = M + 1 + n_prev
-        pos = torch.tensor([[S - 1 + lv for lv in levels]], device=dev)
+        pos = torch.tensor([[S - 1 + lv + self.pos_offset for lv in levels]], device=dev)
         out, _, _ = self.head(self._embed(tokens.tolist())[None], pos, mask[None, None],
                               self.mem[0][:, :, :n_mem], self.mem[1][:, :, :n_mem], cross[None, None],
                               (self.kv, self.kv3), S + n_prev)  # scratch slots, overwritten next cycle

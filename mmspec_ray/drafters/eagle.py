@@ -140,6 +140,7 @@ class Eagle2Drafter:
         self.passes = 0  # decoder forwards made while proposing (one per tree level; the engine's τ per pass)
         self.prefill_tokens = 0  # entries the last `begin` ran through the head (the drafter's prefill length)
         self.pos_offset = 0  # KV slot s has position id s + pos_offset (ViSpec: a compressed prefix keeps its ids)
+        self._tree_out: list[torch.Tensor] = []  # while proposing: draft outputs of the expanded nodes, [k, d] a level
 
     @classmethod
     def load(cls, path: str | Path, target: "VLMTarget", device: str | None = None) -> "Eagle2Drafter":
@@ -205,12 +206,15 @@ class Eagle2Drafter:
             self.passes += 1
             return self.logprobs(out).cpu()
 
-        return grow_dynamic_tree(root, root_logp.cpu(), step, cfg)
+        try:
+            return grow_dynamic_tree(root, root_logp.cpu(), step, cfg)
+        finally:
+            self._tree_out = []  # the nodes' outputs are not needed after the tree is grown
 
     def _propose_setup(self, cfg: TreeConfig) -> None:
         """Before a tree's first level: scratch KV slots for every node after the context, and no node outputs yet."""
         self._reserve(self.ctx_len + cfg.top_k * cfg.depth)
-        self._tree_out: list[torch.Tensor] = []  # draft outputs of the expanded nodes, one [k, d] per level
+        self._tree_out = []
 
     def _tree_step(self, tokens: torch.Tensor, parents: torch.Tensor, tree: TreeSteps) -> torch.Tensor:
         """One tree level: the new nodes (`tokens` [k], `parents` [k] among the expanded nodes, -1: the root) run

@@ -23,7 +23,8 @@ from mmspec_ray.targets.registry import load_target
 from mmspec_ray.toy.build import ToyWorld, build_toy
 from mmspec_ray.toy.model import TOY_SIZES
 from mmspec_ray.toy.prompts import toy_long_requests, toy_requests, toy_text_requests
-from mmspec_ray.training.datagen import DatagenRecipe, generate_features, load_features, refeaturize
+from mmspec_ray.training.datagen import (DatagenRecipe, generate_features, lacks_attention, load_features,
+                                         refeaturize, with_attention)
 from mmspec_ray.training.methods import TrainingMethod, training_method
 from mmspec_ray.training.trainer import TrainConfig, stage_schedule, train_drafter
 
@@ -88,20 +89,23 @@ def toy_features(world: ToyWorld, target, recipe: ToyDrafterRecipe, text: bool =
     """The world's target-answered features: multimodal train prompts, the text-only corpus (`text`), or the
     multimodal prompts rewritten to ask for long answers (`recipe.long_answers`, sampled at its temperature; a
     directory of its own, named by both). `mid`: the examples also carry DREAM's entropy-selected intermediate
-    features (a directory of its own, suffix -mid; same prompts, same greedy answers); `aux`: EAGLE-3's three
-    feature layers (suffix -aux)."""
+    features and the prompts' attention (a directory of its own, suffix -mid; same prompts, same greedy answers; a
+    -mid set stored without the attention, by a version before DREAM trained with visual token compression, is
+    featurized again from its answers); `aux`: EAGLE-3's three feature layers (suffix -aux)."""
     n = (recipe.text_examples or recipe.examples) if text else recipe.examples
     long = bool(recipe.long_answers) and not text
     temp = float(recipe.answer_temperature or 0.0) if long else 0.0
     kind = "text" if text else f"long-T{temp:g}" if long else "multimodal"
     suffix = "-mid" if mid else "-aux" if aux else ""
     out = world.root / "drafter-data" / f"{kind}-n{n}-t{recipe.max_new_tokens}{suffix}"
-    if (out / "manifest.json").exists() or (out / "index.json").exists():
-        return out
     reqs = (toy_text_requests(world, "train", n, seed=1) if text else
             toy_long_requests(world, "train", n, seed=1) if long else toy_requests(world, "train", n, seed=1))
-    plain = out.with_name(out.name.removesuffix(suffix)) if suffix else out
     data = DatagenRecipe(max_new_tokens=recipe.max_new_tokens, temperature=temp, mid_features=mid, aux_features=aux)
+    if (out / "manifest.json").exists() or (out / "index.json").exists():
+        if mid and lacks_attention(out):  # made before DREAM's training compressed visual tokens: made again
+            return with_attention(target, list(reqs), out, data)
+        return out
+    plain = out.with_name(out.name.removesuffix(suffix)) if suffix else out
     if suffix and (plain / "manifest.json").exists():  # the same prompts answered already: reuse the answers
         return refeaturize(target, list(reqs), plain, data, out)
     return generate_features(target, reqs, data, out, total=n)

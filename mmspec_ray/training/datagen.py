@@ -10,6 +10,7 @@ distribution it will actually be asked to predict.
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from mmspec_ray.training.dream import entropy_candidates, intermediate_features
 from mmspec_ray.training.shards import FeatureExample, ShardStore
 
 __all__ = ["DatagenRecipe", "FeatureExample", "answer_and_featurize", "featurize", "generate_features", "load_features",
-           "refeaturize"]
+           "refeaturize", "lacks_attention", "with_attention"]
 
 # The error of a prompt whose answer holds a media placeholder id (it could not be re-read without its media).
 MEDIA_IN_ANSWER = {"error": "answer: the target's answer contains a media placeholder token, which cannot be re-read "
@@ -162,6 +163,31 @@ def refeaturize(target: VLMTarget, requests: list[Request], source: str | Path, 
         store.write_shard(name, examples, info.ids, info.errors)
     store.write_manifest({"recipe": recipe.model_dump(), "writer": "in-process", "answers_from": str(source)})
     return Path(out_dir)
+
+
+def lacks_attention(uri: str | Path) -> bool:
+    """Whether a feature set holds examples with media but no prompt attention (`received`): DREAM features made
+    before its training compressed visual tokens as drafting does. Reads the shards' headers only."""
+    store = ShardStore(str(uri))
+    return any(info.multimodal and "received" not in info.fields
+               for info in (store.shard_info(n) for n in store.manifest()["shards"]))
+
+
+def with_attention(target: VLMTarget, requests: list[Request], folder: str | Path, recipe: DatagenRecipe) -> Path:
+    """A DREAM feature set (`recipe.mid_features`) made from `requests` whose media examples carry `received`:
+    `folder` as it is, or, where it was stored without it, featurized again from its own answers (`refeaturize`,
+    one forward per example; the folder is replaced once the new set is complete)."""
+    folder = Path(folder)
+    if not recipe.mid_features or not lacks_attention(folder):
+        return folder
+    log.info("%s: examples with media stored without the prompt's attention (made before DREAM trained with visual "
+             "token compression); featurizing them again from their stored answers", folder)
+    fresh = folder.with_name(folder.name + ".fresh")
+    shutil.rmtree(fresh, ignore_errors=True)
+    refeaturize(target, requests, folder, recipe, fresh)
+    shutil.rmtree(folder)
+    fresh.rename(folder)
+    return folder
 
 
 def load_features(uri: str | Path) -> list[FeatureExample]:

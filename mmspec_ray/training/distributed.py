@@ -39,7 +39,8 @@ from mmspec_ray.config import S3Config
 from mmspec_ray.training.methods import training_method
 from mmspec_ray.training.schedule import StageSchedule
 from mmspec_ray.training.shards import FeatureExample, ShardStore
-from mmspec_ray.training.trainer import MethodLoss, TrainConfig, make_optimizer, stage_schedule, to_device, train_step
+from mmspec_ray.training.trainer import (MethodLoss, TrainConfig, check_resume_config, head_config, make_optimizer,
+                                         saved_head_config, stage_schedule, to_device, train_step)
 
 log = logging.getLogger(__name__)
 
@@ -236,6 +237,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     if ckpt is not None:
         with ckpt.as_directory() as d:
             st = torch.load(Path(d) / STATE_FILE, weights_only=False, map_location=device)
+            saved = saved_head_config(st, Path(d))
+        if st.get("method", m.name) != m.name:
+            raise ValueError(f"the Ray Train run's checkpoint holds a {st['method']} training run, not {m.name}; "
+                             "give a new --work and --out to start over")
+        check_resume_config(m.name, saved, head, "the Ray Train run's checkpoint")
         head.load_state_dict(st["head"])
         opt.load_state_dict(st["opt"])
         sched.load_state_dict(st["sched"])
@@ -268,9 +274,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             checkpoint = None
             if rank == 0:
                 head.save(d)
-                torch.save({"method": m.name, "head": head.state_dict(), "opt": opt.state_dict(),
-                            "sched": sched.state_dict(), "epoch": epoch + 1, "history": history,
-                            "starts": starts}, Path(d) / STATE_FILE)
+                torch.save({"method": m.name, "config": head_config(head), "head": head.state_dict(),
+                            "opt": opt.state_dict(), "sched": sched.state_dict(), "epoch": epoch + 1,
+                            "history": history, "starts": starts}, Path(d) / STATE_FILE)
                 (Path(d) / "history.json").write_text(json.dumps({"history": history, "starts": starts}, indent=2))
                 checkpoint = Checkpoint.from_directory(d)
                 log.info("%s drafter epoch %d/%d (%d workers): %s", m.name, epoch + 1, cfg.epochs, world,

@@ -32,7 +32,7 @@ from mmspec_ray.training.shards import FeatureExample
 from mmspec_ray.training.losses import eagle_loss
 from mmspec_ray.training.specflash import expand_example, specflash_loss
 from mmspec_ray.training.schedule import TrainConfig, stage_schedule
-from mmspec_ray.training.vispec import vispec_loss
+from mmspec_ray.training.vispec import OBJECTIVES, vispec_loss
 
 if TYPE_CHECKING:
     from mmspec_ray.drafters.base import Drafter
@@ -245,8 +245,6 @@ class ViSpecMethod(TrainingMethod):
     mtp_default: ClassVar[int] = 1  # spec §9.9: the README's --mtp-steps=1 (two passes)
 
     def __init__(self, compressed: int | None = None, mtp_steps: int | None = None, objective: str = "paper") -> None:
-        from mmspec_ray.training.vispec import OBJECTIVES
-
         if objective not in OBJECTIVES:
             raise ValueError(f"vispec objective {objective!r}: choose one of {list(OBJECTIVES)}")
         self.objective = objective
@@ -298,6 +296,9 @@ class DreamMethod(TrainingMethod):
         if intermed_tap is not None and intermed_tap not in ("block1", "ca_block"):
             raise ValueError(f"dream: intermed_tap {intermed_tap!r}: expected block1 (the paper) or ca_block (the "
                              "authors' code)")
+        if vtc_keep is not None and not 0.0 < vtc_keep <= 1.0:
+            raise ValueError(f"dream: vtc_keep {vtc_keep!r}: the share of visual tokens the draft stream keeps must "
+                             "be in (0, 1] (1: no visual token compression)")
         self.weights = (w_feat, w_mid, w_kl)
         keep = DreamHead.config_class.model_fields["vtc_keep"].default if vtc_keep is None else vtc_keep
         if not w_mid and keep >= 1.0:
@@ -327,7 +328,7 @@ class DreamMethod(TrainingMethod):
             log.warning("dream: %d of %d examples with media were stored without the prompt's last-layer attention "
                         "(`received`, made by feature generation since DREAM trains with visual token compression); "
                         "they train with every visual token while drafting keeps %g of them. Regenerate the features "
-                        "(a new --work; on a toy world remove its -mid feature folder) to train as the drafter drafts",
+                        "(a new --work; a toy world's training makes its own again) to train as the drafter drafts",
                         old, sum(1 for ex in examples if ex.media is not None and bool(ex.media.any())), keep)
 
     def collate(self, examples, idx, noise, gen):

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from pydantic import ValidationError
 from tqdm.auto import tqdm
 
 from mmspec_ray.decoding.engine import SpecEngine
@@ -30,7 +31,8 @@ from mmspec_ray.training.methods import TrainingMethod, training_method
 from mmspec_ray.training.schedule import TrainConfig, stage_schedule
 
 log = logging.getLogger(__name__)
-__all__ = ["TrainConfig", "train_drafter", "heldout_tau", "stage_schedule", "make_optimizer", "train_step"]
+__all__ = ["TrainConfig", "train_drafter", "heldout_tau", "stage_schedule", "make_optimizer", "train_step",
+           "check_resume_config"]
 
 
 @torch.inference_mode()
@@ -96,6 +98,53 @@ def train_step(m: TrainingMethod, head: torch.nn.Module, batch: dict[str, torch.
     return float(loss.detach()), parts
 
 
+def head_config(head: torch.nn.Module) -> dict[str, Any] | None:
+    """The head's config as saved in its config.json (JSON types), or None for a head without one."""
+    cfg = getattr(head, "cfg", None)
+    return None if cfg is None else cfg.model_dump(mode="json")
+
+
+def saved_head_config(state: dict[str, Any], folder: Path) -> dict[str, Any] | None:
+    """The head config a run was trained with: the one its checkpoint state records, else the config.json saved
+    beside it (runs checkpointed before the state recorded it); None when neither exists."""
+    if state.get("config") is not None:
+        return state["config"]
+    path = Path(folder) / "config.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def resume_config_conflicts(method: str, saved: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Fields present in both head configs whose values differ: name -> (saved, new). A ViSpec config saved
+    without its `objective` was trained with EAGLE's loss (the only one before the option), so it reads as eagle."""
+    saved = dict(saved)
+    if method == "vispec" and saved.get("objective") is None:
+        saved["objective"] = "eagle"
+
+    def norm(v: Any) -> Any:
+        return json.loads(json.dumps(v))  # tuples as lists, as config.json stores them
+
+    return {k: (saved[k], new[k]) for k in sorted(saved.keys() & new.keys()) if norm(saved[k]) != norm(new[k])}
+
+
+def check_resume_config(method: str, saved: dict[str, Any] | None, head: torch.nn.Module, where: Any) -> None:
+    """Refuse to resume a run whose saved head config differs from the one `head` was built with (other method
+    options, or defaults changed since): loading its weights would silently continue under another configuration.
+    The saved config is read as the head would load it (a field saved before it existed takes its default)."""
+    cfg = getattr(head, "cfg", None)
+    if saved is None or cfg is None:
+        return
+    try:
+        saved = type(cfg).model_validate(saved).model_dump(mode="json")
+    except ValidationError:
+        pass  # compared as saved
+    diff = resume_config_conflicts(method, saved, head_config(head))
+    if diff:
+        said = ", ".join(f"{k} {a!r} (saved) vs {b!r} (now)" for k, (a, b) in diff.items())
+        raise ValueError(f"{where} holds a {method} training run with another head config: {said}; resume with the "
+                         "options it was trained with, or start over: --force starts over (toy worlds; with --data "
+                         "give a new --work and --out)")
+
+
 def build_corpus(m: TrainingMethod, target: VLMTarget, examples: list[FeatureExample], out: Path,
                  heldout: list[Request], tree: TreeConfig, cfg: TrainConfig) -> Path:
     """A corpus-only method (the suffix drafter): write its checkpoint from the examples in one pass, and a
@@ -152,6 +201,7 @@ def train_drafter(method: str | TrainingMethod, target: VLMTarget, examples: lis
         if st.get("method", m.name) != m.name:
             raise ValueError(f"{out} holds a {st['method']} training run, not {m.name}; use another directory "
                              "or start over (--force)")
+        check_resume_config(m.name, saved_head_config(st, out), head, out)
         head.load_state_dict(st["head"])
         opt.load_state_dict(st["opt"])
         sched.load_state_dict(st["sched"])
@@ -189,8 +239,8 @@ def train_drafter(method: str | TrainingMethod, target: VLMTarget, examples: lis
         history.append(rec)
         log.info("%s drafter epoch %d: %s", m.name, epoch + 1, json.dumps(rec))
         head.save(out)
-        torch.save({"method": m.name, "head": head.state_dict(), "opt": opt.state_dict(),
-                    "sched": sched.state_dict(), "epoch": epoch + 1, "history": history,
+        torch.save({"method": m.name, "config": head_config(head), "head": head.state_dict(),
+                    "opt": opt.state_dict(), "sched": sched.state_dict(), "epoch": epoch + 1, "history": history,
                     "stages": stages.model_dump()}, state_path)
         (out / "history.json").write_text(json.dumps(history, indent=2))
     return out
