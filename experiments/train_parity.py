@@ -35,6 +35,8 @@ def main() -> None:
     p.add_argument("--heldout", type=int, default=24)
     p.add_argument("--method", default="eagle2")
     p.add_argument("--cells", default="0,1,2,3,4", help="which rows of the table to run (indices into CELLS)")
+    p.add_argument("--text-epochs", type=int, default=None,
+                   help="stage-1 epochs (0: one multimodal stage, for two-stage methods on multimodal rows alone)")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO)
     out = Path(a.out)
@@ -49,7 +51,8 @@ def main() -> None:
                                        work=str(out / "work"),
                                        heldout=a.heldout, num_workers=workers, cpus_per_worker=0.5,
                                        train={"epochs": 8, "batch_size": 16, "lr": 2e-3, "seed": seed,
-                                              "bucket_batches": bucket},
+                                              "bucket_batches": bucket,
+                                              **({} if a.text_epochs is None else {"text_epochs": a.text_epochs})},
                                        recipe={"max_new_tokens": 200}))
             taus.append(json.loads((d / "history.json").read_text())["heldout_tau"])
         rows.append(f"| {label} | {bucket} | {' / '.join(f'{t:.2f}' for t in taus)} | "
