@@ -177,9 +177,10 @@ class SpecFlashDrafter(Eagle2Drafter):
 
     @torch.inference_mode()
     def propose(self, root: int, cfg: TreeConfig) -> DraftTree:
-        """Draft `min(depth, total_tokens - 1)` tokens (at most K without `chain_groups`): one forward per group
-        of K, as a chain or the per-slot top-k tree."""
-        n = min(cfg.depth, cfg.total_tokens - 1)
+        """Draft `min(depth + 1, total_tokens - 1)` tokens (the tree's depth + 1 levels, as every drafter and the
+        calibrator count them; at most K without `chain_groups`): one forward per group of K, as a chain or the
+        per-slot top-k tree."""
+        n = min(cfg.depth + 1, cfg.total_tokens - 1)
         if not self.head.cfg.chain_groups:
             n = min(n, self.head.cfg.group)
         if self.pending is None or not self.pending.shape[0] or n < 1:
