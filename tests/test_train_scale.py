@@ -261,7 +261,7 @@ def test_cli_single_process_trainer_on_the_same_path(ray_cluster, ckpt, tmp_path
 
 def test_streamed_epochs_cover_the_shards_and_keep_the_schedules_mixture():
     """Ray Train's data plan, without Ray: N workers read disjoint shards covering all of them, every worker takes
-    the same number of steps, and a two-stage epoch keeps exactly the in-memory schedule's mixture, however small
+    the same number of steps, the single-process trainer's (also when the workers' shards hold unequal counts), and a two-stage epoch keeps exactly the in-memory schedule's mixture, however small
     the shards."""
     from mmspec_ray.training.distributed import epoch_steps, keep_probabilities, shard_keeps, worker_shards
     from mmspec_ray.training.schedule import StageSchedule
@@ -276,6 +276,9 @@ def test_streamed_epochs_cover_the_shards_and_keep_the_schedules_mixture():
     assert keep_probabilities(one, 1, 48, 12) == (1.0, 0.0)
     assert shard_keeps(manifest, one, 1) == [(8, 0)] * 6
     assert epoch_steps(manifest, one, 0, world=2, local_bs=8, seed=0) == 3  # 24 examples per worker / 8
+    uneven = {"shards": [f"s{i}" for i in range(6)], "examples_per_shard": [32] * 5 + [16]}
+    for seed in range(4):  # 176 examples split 96 / 80 or 80 / 96: the single-process trainer's 11 steps of 16
+        assert epoch_steps(uneven, one, 0, world=2, local_bs=8, seed=seed) == 11
     msd = StageSchedule(epochs=4, text_epochs=2)
     for epoch in (1, 3, 4):
         keeps = shard_keeps(manifest, msd, epoch)

@@ -10,9 +10,9 @@ Data loop (so that memory per worker is one shard, whatever the data set's size)
 drawn from (seed, epoch), identically on every worker; worker r reads shards r, r+W, r+2W ... of that order (its
 own, disjoint from the others'), shuffles each shard's examples, and cuts batches of batch_size / W (the batch size
 must split; there must be at least W shards). Gradients are averaged by PyTorch DDP (`ray.train.torch.prepare_model`
-around the method's loss as a module, `MethodLoss`). Every worker runs the same number of steps: the fewest full local
-batches any worker's shards hold, so one step consumes one global batch of `batch_size` examples and, with
-balanced shards, an epoch sees every kept example about once. A two-stage schedule keeps, per shard, its share
+around the method's loss as a module, `MethodLoss`). Every worker runs the same number of steps, the single-process
+trainer's ceil(kept examples / batch_size), so one step consumes one global batch of `batch_size` examples and an
+epoch sees about every kept example once (a worker with fewer re-reads some of its own). A two-stage schedule keeps, per shard, its share
 r_e * n / N_mm of multimodal and (1 - r_e) * n / N_text of text-only examples (n = min(N_mm, N_text), rounded per
 shard, so counts are known from the manifest alone): the single-process schedule's expected mixture (a mixed
 schedule keeps every item of both pools). A method's `begin_epoch` hook runs before each epoch, as in the
@@ -131,15 +131,16 @@ def shard_keeps(manifest: dict[str, Any], stages: StageSchedule, epoch: int) -> 
 
 def epoch_steps(manifest: dict[str, Any], stages: StageSchedule, epoch: int, world: int, local_bs: int,
                 seed: int) -> int:
-    """Optimiser steps of `epoch` (0-indexed), the same on every worker: the fewest full local batches any worker's
-    shards hold (so no worker repeats data, and with balanced shards one epoch sees every kept example once); one
-    (partial) step when every worker has some data but less than a batch; 0 when some worker has none."""
+    """Optimiser steps of `epoch` (0-indexed), the same on every worker: the single-process trainer's
+    ceil(kept examples / global batch), so both trainers take the same steps whatever the shards' balance (a worker
+    whose shards hold fewer examples reads them again, reshuffled; one with more leaves its last few for the next
+    epoch's draw); 0 when some worker has none."""
     keeps = shard_keeps(manifest, stages, epoch + 1)
     n = len(keeps)
     per_worker = [sum(sum(keeps[s]) for s in worker_shards(n, r, world, epoch, seed)) for r in range(world)]
     if min(per_worker) == 0:
         return 0
-    return max(1, min(per_worker) // local_bs)
+    return -(-sum(per_worker) // (local_bs * world))
 
 
 def check_plan(manifest: dict[str, Any], cfg: TrainConfig, world: int) -> None:
