@@ -740,10 +740,11 @@ def test_a_trained_head_in_its_authors_layout_proposes_the_same_trees_and_sample
 
     target = wrap(*tiny_llava(init=0.08))  # flatter logits: several tokens per step carry real mass
     reqs = [Request(prompt="describe the image", images=tuple(random_images(1, seed=i))) for i in range(8)]
-    feats = load_features(generate_features(target, reqs, DatagenRecipe(max_new_tokens=8), tmp_path / "f"))
+    recipe = DatagenRecipe(max_new_tokens=8, mid_features=method == "dream")  # dream: its mid layer and attention
+    feats = load_features(generate_features(target, reqs, recipe, tmp_path / "f"))
     cfg = TrainConfig(epochs=8, batch_size=4, lr=1e-2 if method == "vispec" else 3e-3, warmup_steps=1, text_epochs=0,
                       multistep_epochs=3 if method == "hivis" else None)
-    options = {"hivis": {"min_answer_words": 0}, "dream": {"w_mid": 0.0}}.get(method, {})  # dream: no mid layer
+    options = {"hivis": {"min_answer_words": 0}}.get(method, {})
     m = training_method(method, options)
     ours = load_drafter(str(train_drafter(m, target, feats, tmp_path / "d", cfg)), target)
     authors_layout(method, ours.head, target, tmp_path / "released")
