@@ -12,9 +12,9 @@ own, disjoint from the others'), shuffles each shard's examples, and cuts batche
 must split; there must be at least W shards). Gradients are averaged by PyTorch DDP (`ray.train.torch.prepare_model`
 around the method's loss as a module, `MethodLoss`). Every worker runs the same number of steps, the single-process
 trainer's ceil(kept examples / batch_size), so one step consumes one global batch of `batch_size` examples and an
-epoch sees about every kept example once (a worker with fewer re-reads some of its own). A two-stage schedule keeps, per shard, its share
-r_e * n / N_mm of multimodal and (1 - r_e) * n / N_text of text-only examples (n = min(N_mm, N_text), rounded per
-shard, so counts are known from the manifest alone): the single-process schedule's expected mixture (a mixed
+epoch sees about every kept example once (a worker with fewer re-reads some of its own). A two-stage schedule keeps,
+per shard, its share r_e * n / N_mm of multimodal and (1 - r_e) * n / N_text of text-only examples (n = min(N_mm,
+N_text), rounded per shard, so counts are known from the manifest alone): the single-process schedule's expected mixture (a mixed
 schedule keeps every item of both pools). A method's `begin_epoch` hook runs before each epoch, as in the
 single-process trainer.
 """
