@@ -222,7 +222,8 @@ def test_mrope_head_drafts_at_the_positions_it_trains_at(family, request_name):
     equal the teacher-forced training forward over the stored example (`positions` from data generation), entry
     for entry. A head placed at 1-D slot ids instead differs (checked)."""
     from mmspec_ray.drafters.layers import causal_pad_mask
-    from mmspec_ray.training.datagen import extend_inputs, featurize
+    from mmspec_ray.targets.base import extend_inputs
+    from mmspec_ray.training.datagen import featurize
 
     target = build_target(family)
     d = Eagle3Drafter.random(target, seed=3, std=0.3)

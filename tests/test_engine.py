@@ -235,7 +235,7 @@ def check_trained_drafter_samples(target, drafter, req: Request, min_accepted: i
     """A trained drafter's 3-token sampled answers (T 0.8, top-k 4, top-p 0.9) follow the exact warped target
     distribution (chi-square at p = 1e-4 over `n` samples), and more than `min_accepted` of its proposals are
     accepted in all (so the test exercises acceptance, not only rejection)."""
-    from mmspec_ray.training.datagen import extend_inputs
+    from mmspec_ray.targets.base import extend_inputs
 
     params = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
     inputs = target.encode(req)

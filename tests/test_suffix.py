@@ -13,7 +13,7 @@ from mmspec_ray.config import SamplingParams
 from mmspec_ray.decoding.engine import AREngine, SpecEngine
 from mmspec_ray.decoding.tree import TreeConfig
 from mmspec_ray.drafters.base import load_drafter
-from mmspec_ray.drafters.suffix import SuffixConfig, SuffixDrafter, SuffixIndex
+from mmspec_ray.drafters.suffix import START, SuffixConfig, SuffixDrafter, SuffixIndex, prompt_marker
 from mmspec_ray.targets import Request, wrap
 from mmspec_ray.training.datagen import DatagenRecipe, generate_features, load_features
 from mmspec_ray.training.trainer import TrainConfig, train_drafter
@@ -119,6 +119,7 @@ def test_the_trainer_builds_the_corpus_and_it_loads_back(tmp_path):
     want = SuffixIndex(4)
     for ex in feats:
         want.add(ex.input_ids[ex.n_prompt:].tolist())
+        want.add_opening(START, ex.input_ids[ex.n_prompt:].tolist())
     assert isinstance(d, SuffixDrafter) and d.corpus.counts == want.counts and want.tokens > 0
     (out / "config.json").write_text(json.dumps({**cfg, "target_vocab_size": target.vocab_size + 1}))
     with pytest.raises(ValueError, match="answers of another target"):  # a corpus of another vocabulary's ids

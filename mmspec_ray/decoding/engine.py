@@ -76,26 +76,48 @@ class SpecEngine:
         tracker = OutputTracker(t.tokenizer, t.eos_token_ids, max_new_tokens, stop)
         history = HistoryProcessors(gc, sampling, t.eos_token_ids, inputs["input_ids"])  # penalties etc., per node
         stats = GenerationStats(prompt_tokens=n_prompt)
-        out = t.prefill(inputs, logits_to_keep=getattr(d, "prefill_logits", 1),
-                        attention=bool(getattr(d, "prefill_attention", False)))
-        root = pick(history.next_logits(out.logits[0, -1]), sampling, gen)
-        stats.prefill_s = time.perf_counter() - t0
-        done = tracker.add([root])
-        tp = time.perf_counter()
-        yield tracker.ids[:]
-        t0 += time.perf_counter() - tp
-        if done:
-            return self._finish(tracker, stats, t0, d)
-        first_root, begun, passes0 = root, False, 0
+        guard = (self.guard.request(self.tree, request_kind(request, n_prompt, sampling.greedy))
+                 if self.guard is not None and self.calibrator is None else None)
         # the drafter hears of committed tokens just before it next drafts, not after every cycle: plain steps
         # (the payoff guard's, a 1-token pick's, a near-tie's) cost it nothing, and a drafter is begun only when a
         # cycle first drafts (a kind of request that does not pay never runs the drafter's prefill)
         pending: list[int] = []  # committed tokens (root first) the drafter has not observed yet
         pending_feats: list[torch.Tensor] = []  # their target features
-        news = self.calibrator is not None or self.guard is not None or self.tree.total_tokens > 1
-        guard = (self.guard.request(self.tree, request_kind(request, n_prompt, sampling.greedy))
-                 if self.guard is not None and self.calibrator is None else None)
         single = False  # the next cycle verifies the root alone (a near-tie left to a one-token forward)
+        kw = {"logits_to_keep": getattr(d, "prefill_logits", 1),
+              "attention": bool(getattr(d, "prefill_attention", False))}
+        chain = self._prompt_draft(inputs, tracker.remaining, guard)
+        out = t.prefill(inputs, draft=chain, **kw)
+        if chain:  # the answer's first tokens guessed before the prefill, verified in its forward
+            tree = DraftTree.chain(out.draft.input_ids[0].tolist())  # root: the prompt's last token
+            history.reopen_last()
+            path, bonus = accept(tree, history.tree_logits(out.draft.logits[0], tree.tokens, tree.ancestors),
+                                 sampling, gen, self.tie_margin)
+            stats.prefill_drafted, stats.prefill_accepted = len(chain), len(path) - 1
+            if bonus is None and len(path) == 1:  # a near-tie on the first token: AR's own prefill decides it
+                history.commit(tree.tokens[:1].tolist())
+                out, chain = t.prefill(inputs, **kw), []
+            else:
+                single = bonus is None
+                keep, root = (path[:-1], int(tree.tokens[path[-1]])) if single else (path, bonus)
+                t.commit(keep)
+                history.commit(tree.tokens[keep].tolist())
+                first = tree.tokens[path[1:]].tolist() + ([] if single else [bonus])
+                if len(keep) > 1:  # answer tokens now in the cache, for the drafter's first observe
+                    pending = tree.tokens[keep[1:]].tolist()
+                    pending_feats = [target_features(d, out.draft)[0][keep[1:]]]
+        if not chain:
+            root = pick(history.next_logits(out.logits[0, -1]), sampling, gen)
+            first = [root]
+        stats.prefill_s = time.perf_counter() - t0
+        done = tracker.add(first)
+        tp = time.perf_counter()
+        yield tracker.ids[:]
+        t0 += time.perf_counter() - tp
+        if done:
+            return self._finish(tracker, stats, t0, d)
+        first_root, begun, passes0 = first[0], False, 0
+        news = self.calibrator is not None or self.guard is not None or self.tree.total_tokens > 1
         drafted_before = False  # the previous cycle drafted: this cycle's observe is the steady per-cycle kind
         while True:
             room = t.max_context - t.seq_len  # cache slots left; >= remaining + 1 >= 2 by check_length
@@ -181,6 +203,17 @@ class SpecEngine:
             guard.finish(len(tracker.ids))
             stats.guard_moves = guard.moves
         return self._finish(tracker, stats, t0, d)
+
+    def _prompt_draft(self, inputs: dict, remaining: int, guard: object) -> list[int]:
+        """The answer's first tokens as the drafter guesses them from the prompt alone (a drafter with
+        `prompt_draft`: one that needs no target features), to verify inside the prefill's forward: up to the
+        tree's depth, none where this engine or the payoff guard decodes the request plainly."""
+        propose = getattr(self.drafter, "prompt_draft", None)
+        plain = guard is not None and (guard.level >= guard.plain_level or guard.defer > 0)
+        depth = min(self.tree.depth, remaining - 1)
+        if propose is None or self.tree.total_tokens <= 1 or plain or depth < 1:
+            return []
+        return list(propose(inputs["input_ids"][0].tolist(), depth))[:depth]
 
     @staticmethod
     def _fit(room: int, remaining: int, tree: TreeConfig, probing: bool = False) -> TreeConfig:

@@ -19,7 +19,9 @@ class GenerationStats:
     tie_cycles: int = 0  # cycles that ended at a half-precision near-tie, without a bonus (decoding/accept.py)
     plain_cycles: int = 0  # cycles that drafted nothing: one-token forwards (payoff guard, 1-token tree, near-tie)
     guard_moves: list[tuple[int, int]] = field(default_factory=list)  # (answer tokens, new ladder rung) per move
-    prefill_s: float = 0.0
+    prefill_drafted: int = 0  # answer tokens guessed from the prompt and verified in the prefill's forward
+    prefill_accepted: int = 0  # of those, accepted
+    prefill_s: float = 0.0  # encoding, the prompt's draft and the prefill forward, to the first token
     draft_s: float = 0.0  # the drafter's time: its begin (drafter_prefill_s) + proposing + observing
     drafter_prefill_s: float = 0.0  # the drafter's begin: its own pass over the prompt, once per request
     drafter_prefill_tokens: int = 0  # entries the drafter's begin read (its `prefill_tokens`; 0: none)

@@ -108,6 +108,12 @@ class HistoryProcessors:
         if self.procs and tokens:
             self.history = torch.cat([self.history, torch.tensor(tokens, device=self.history.device)])
 
+    def reopen_last(self) -> None:
+        """Hand the prompt's last token back as the root of a tree verified inside the prefill (a draft chain):
+        `commit` then appends it again with the accepted path."""
+        if self.procs:
+            self.history = self.history[:-1]
+
     def _apply(self, ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         scores = logits.float().reshape(1, -1)
         for p in self.procs:

@@ -6,6 +6,10 @@ Two token stores, both counts of the next token after every context of 1..`max_c
   the target gave to the training prompts; with `learn` (the default) every answer decoded with this drafter joins
   it when its request ends (the engine's `finish` hook), so a batch job's later rows draft from its earlier ones;
 - the **request**: the prompt's text tokens and what this request generated so far (what prompt lookup reads).
+Each corpus answer's first tokens are also counted after start markers (any prompt's, and, for answers decoded
+here, their prompt's), so the drafter guesses an answer's first tokens from the prompt alone (`prompt_draft`): the
+engine verifies that chain inside the prefill's own forward, where a short answer (a caption of ~9 tokens) gains a
+cycle.
 A tree node's children are the top_k next tokens after the longest suffix of (context + the node's path) that either
 store holds (their counts summed at that length), scored by the product of count shares along the path; the tree is
 grown best-first to `total_tokens - 1` nodes and `depth`. Drafting costs dictionary look-ups and no prefill, so it
@@ -33,6 +37,15 @@ if TYPE_CHECKING:
     from mmspec_ray.targets.base import TargetOutput, VLMTarget
 
 
+START = -1  # the context before any answer's first token in the corpus (no token id is negative)
+
+
+def prompt_marker(prompt: list[int]) -> int:
+    """The start marker of answers to this exact prompt (its ids, media placeholders included): negative, not
+    START, the same in every process (a hash of ints is not salted)."""
+    return -2 - hash(tuple(prompt)) % (1 << 40)
+
+
 class SuffixConfig(BaseModel):
     """Saved as the drafter's config.json (the corpus in model.safetensors beside it)."""
 
@@ -41,6 +54,9 @@ class SuffixConfig(BaseModel):
     learn: bool = True  # add each decoded answer to the corpus
     # learning stops at this many corpus tokens: an index costs up to ~1.35 KB per token (random runs; ~270 MB here)
     max_corpus_tokens: int = Field(200_000, ge=0)
+    # an opening drafted from the prompt ends where its share of the counted openings (the product of each token's
+    # share after the one before) falls below this: each further token costs the prefill a position
+    opening_share: float = Field(0.2, ge=0.0, le=1.0)
     target_vocab_size: int = 0
     target_id: str = ""  # the checkpoint whose answers the corpus holds ("": unknown)
 
@@ -60,6 +76,14 @@ class SuffixIndex:
             for m in range(1, min(self.max_context, i) + 1):
                 self.counts.setdefault(tuple(seq[i - m:i]), Counter())[nxt] += 1
         self.tokens += max(0, len(seq) - max(start, 1))
+
+    def add_opening(self, marker: int, answer: list[int]) -> None:
+        """Count an answer's first tokens after a start marker: contexts (marker, a1 .. a_i-1), up to max_context
+        tokens long (they never match a context of real tokens)."""
+        ctx: tuple[int, ...] = (marker,)
+        for tok in answer[: self.max_context]:
+            self.counts.setdefault(ctx, Counter())[tok] += 1
+            ctx += (tok,)
 
     def longest(self, context: list[int], other: "SuffixIndex | None" = None) -> Counter[int] | None:
         """The next-token counts after the longest suffix of `context` this index (or `other`) holds, both indexes'
@@ -81,7 +105,8 @@ class SuffixDrafter:
         self.cfg = cfg or SuffixConfig()
         self.corpus = SuffixIndex(self.cfg.max_context)
         for seq in corpus:
-            self.corpus.add(list(seq))
+            self.learn(list(seq))
+        self.marker: int | None = None  # the current request's prompt marker (set by `prompt_draft`)
         self.request = SuffixIndex(self.cfg.max_context)
         self.context: list[int] = []
 
@@ -138,6 +163,30 @@ class SuffixDrafter:
         self.context += tokens[1:] + [bonus]
         self.request.add(self.context, start=n)
 
+    def learn(self, answer: list[int], marker: int | None = None) -> None:
+        """Add one answer to the corpus: its continuations, and its opening after START (and `marker`)."""
+        self.corpus.add(answer)
+        for m in (START, marker) if marker is not None else (START,):
+            self.corpus.add_opening(m, answer)
+
+    def prompt_draft(self, prompt: list[int], depth: int) -> list[int]:
+        """The most counted opening of answers to this exact prompt (else of any answer in the corpus), followed
+        while its context was seen, up to `depth` tokens: for the engine to verify inside the prefill."""
+        self.marker = prompt_marker(prompt)
+        start = self.marker if (self.marker,) in self.corpus.counts else START
+        chain: list[int] = []
+        share = 1.0
+        while len(chain) < depth:
+            counts = self.corpus.longest([start, *chain])
+            if not counts:
+                break
+            tok, c = counts.most_common(1)[0]
+            share *= c / sum(counts.values())
+            if share < self.cfg.opening_share:
+                break
+            chain.append(tok)
+        return chain
+
     def propose(self, root: int, cfg: TreeConfig) -> DraftTree:
         """Best-first: expand the highest-scoring node (product of count shares from the root) until the tree holds
         `total_tokens` nodes; a node at `depth` is not expanded, nor one whose context was never seen."""
@@ -174,5 +223,6 @@ class SuffixDrafter:
 
     def finish(self, answer: list[int]) -> None:
         """The request's whole answer: added to the corpus (when `learn`, within `max_corpus_tokens`)."""
+        marker, self.marker = self.marker, None
         if self.cfg.learn and len(answer) > 1 and self.corpus.tokens + len(answer) <= self.cfg.max_corpus_tokens:
-            self.corpus.add(answer)
+            self.learn(answer, marker)

@@ -67,6 +67,21 @@ def prefill_pieces(prefill: "TargetOutput", target: "VLMTarget") -> list[tuple[i
     return target.media_pieces(prefill.input_ids[0])
 
 
+def extend_inputs(inputs: dict[str, Any], extra: list[int]) -> dict[str, Any]:
+    """Encoded prompt inputs with text ids appended (an answer, a draft); the other per-token tensors get 1
+    (attention_mask) or 0 (type ids: text) at the new positions. Media inputs are untouched."""
+    ids = inputs["input_ids"]
+    L = ids.shape[1]
+    add = torch.tensor([extra], dtype=ids.dtype, device=ids.device)
+    out = dict(inputs)
+    out["input_ids"] = torch.cat([ids, add], 1)
+    for k, v in inputs.items():
+        if k != "input_ids" and isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape == (1, L):
+            fill = torch.ones_like(add) if k == "attention_mask" else torch.zeros_like(add)
+            out[k] = torch.cat([v, fill.to(v.dtype)], 1)
+    return out
+
+
 def id_set(src: int | list[int] | tuple[int, ...] | None) -> set[int]:
     """A config's token id field (an id, a list of ids or None) as a set."""
     return set() if src is None else set(src) if isinstance(src, (list, tuple)) else {src}
@@ -97,6 +112,9 @@ class TargetOutput:
     # [3, 1, n] long prefill only, M-RoPE families with media in the prompt: the (temporal, height, width) position
     # ids the model gave each prompt position; None: position i is i (1-D RoPE, or a text-only M-RoPE prompt)
     positions: torch.Tensor | None = None
+    # prefill only, with a `draft` chain: the chain verified in the same forward, as a verify returns a tree whose
+    # root is the prompt's last token (logits, hidden and layers at that position and at each drafted one)
+    draft: "TargetOutput | None" = None
 
 
 class VLMTarget:
@@ -268,24 +286,42 @@ class VLMTarget:
 
     @torch.inference_mode()
     def prefill(self, inputs: dict[str, Any], logits_to_keep: int = 1, attention: bool = False,
-                entropy_layers: tuple[int, ...] = ()) -> TargetOutput:
+                entropy_layers: tuple[int, ...] = (), draft: list[int] | tuple[int, ...] = ()) -> TargetOutput:
         """Run the prompt (with media) and start a fresh KV cache. Logits are computed for the last
         `logits_to_keep` positions only (0: every position, [1, L, V]: 1.8 GB at 3k tokens x 152k vocab).
         `attention`: also the last layer's attention received per position from the text rows
         (`attention_received`); `entropy_layers`: also those decoder layers' per-row attention entropy, with their
         output hidden states in `layers` (index l + 1). Both read the layers' own q/k (targets/attention.py); the
-        forward itself is unchanged."""
+        forward itself is unchanged.
+        `draft`: a chain of guessed answer tokens appended to the prompt in the same forward (causal, so the
+        prompt's positions are computed as without it). The cache is then left as after a `verify` of the tree
+        [last prompt token] + draft: the last prompt token and the draft uncommitted until `commit` keeps a path
+        from it (the returned output's `draft`). Everything else in the output covers the prompt alone."""
         from mmspec_ray.targets.attention import probe_attention, reduce_attention
 
+        if draft and (attention or entropy_layers):
+            raise ValueError("a prefill with a draft chain takes no attention probes")
         self.cache = self.new_cache()
         ids = inputs["input_ids"]
+        n, k = ids.shape[1], len(draft)
         last = int(getattr(self.text_config, "num_hidden_layers", 1)) - 1
         with probe_attention(self.model, ([last] if attention else []) + list(entropy_layers)) as probed:
-            out = self.model(**inputs, past_key_values=self.cache, use_cache=True, output_hidden_states=True,
-                             logits_to_keep=logits_to_keep)
-        self.seq_len = ids.shape[1]
+            out = self.model(**(extend_inputs(inputs, list(draft)) if k else inputs), past_key_values=self.cache,
+                             use_cache=True, output_hidden_states=True,
+                             logits_to_keep=logits_to_keep + k if logits_to_keep else 0)
+        self.seq_len = n
         self.next_pos = self.after_prefill_position(inputs)
         self.check_prefill(out)
+        drafted = None
+        if k:  # the chain's tree: root = the last prompt token, handed back to the uncommitted part of the cache
+            drafted = TargetOutput(logits=out.logits[:, -(k + 1):].float(), hidden=out.hidden_states[-1][:, n - 1:],
+                                   layers={i: out.hidden_states[i][:, n - 1:] for i in self.feature_layers},
+                                   input_ids=torch.cat([ids[:, -1:], torch.tensor([list(draft)]).to(ids)], 1))
+            self.seq_len, self.next_pos = n - 1, self.next_pos - 1
+            logits = out.logits[:, :-k] if logits_to_keep else out.logits[:, :n]
+            hs = tuple(h[:, :n] for h in out.hidden_states)
+        else:
+            logits, hs = out.logits, out.hidden_states
         media = self.media_mask_of(ids)
         received, entropy = None, {}
         if attention:
@@ -295,17 +331,18 @@ class VLMTarget:
             entropy[i] = reduce_attention(probed[i])[1][None]
         wanted = set(self.feature_layers) | {i + 1 for i in entropy_layers}
         return TargetOutput(
-            logits=out.logits.float(),
-            hidden=out.hidden_states[-1],
-            layers={i: out.hidden_states[i] for i in sorted(wanted)},
+            logits=logits.float(),
+            hidden=hs[-1],
+            layers={i: hs[i] for i in sorted(wanted)},
             input_ids=ids,
-            inputs_embeds=out.hidden_states[0],
+            inputs_embeds=hs[0],
             media_mask=media,
             media_segments=segment_ids(ids.shape[1], self.media_pieces(ids[0], inputs), ids.device),
             attention_received=received,
             attention_entropy=entropy,
             inputs=inputs,
             positions=self.prompt_positions(inputs),
+            draft=drafted,
         )
 
     def prompt_positions(self, inputs: dict[str, Any]) -> torch.Tensor | None:

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from mmspec_ray.config import SamplingParams
 from mmspec_ray.decoding.engine import AREngine
 from mmspec_ray.drafters.eagle3 import default_feature_layers
-from mmspec_ray.targets.base import Request, VLMTarget
+from mmspec_ray.targets.base import Request, VLMTarget, extend_inputs
 from mmspec_ray.training.dream import entropy_candidates, intermediate_features
 from mmspec_ray.training.shards import FeatureExample, ShardStore
 
@@ -47,20 +47,6 @@ class DatagenRecipe(BaseModel):
     # attention each prompt position receives in the target's last layer at prefill (`received`, for VTC)
     mid_features: bool = False
     aux_features: bool = False  # EAGLE-3: also the states at its three feature layers (`aux`)
-
-
-def extend_inputs(inputs: dict, extra: list[int]) -> dict:
-    """Append answer ids to encoded prompt inputs; other per-token tensors get 1 (attention_mask) or 0 (type ids)."""
-    ids = inputs["input_ids"]
-    L = ids.shape[1]
-    add = torch.tensor([extra], dtype=ids.dtype, device=ids.device)
-    out = dict(inputs)
-    out["input_ids"] = torch.cat([ids, add], 1)
-    for k, v in inputs.items():
-        if k != "input_ids" and isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape == (1, L):
-            fill = torch.ones_like(add) if k == "attention_mask" else torch.zeros_like(add)
-            out[k] = torch.cat([v, fill.to(v.dtype)], 1)
-    return out
 
 
 @torch.inference_mode()
