@@ -280,6 +280,26 @@ def test_a_few_rows_are_decoded_with_ar_too_for_the_measured_speedup(cfg):
     assert sample["ar_s"] > 0 and sample["spec_s"] == outs[1]["decode_seconds"]
 
 
+def test_the_speedup_sample_alternates_which_decode_runs_first_across_reports(cfg):
+    """Every other sampled row runs its AR decode first (the second decode of a request finds warm caches), counted
+    over the decoder's life: a block's report, which empties `samples`, does not reset it. Every 4th settled row is
+    sampled."""
+    dec = SpecDecoder(cfg.model_copy(update={"tree": TreeConfig(top_k=2, depth=3, total_tokens=6),
+                                             "speedup_sample": 3}))
+    order: list[str] = []
+    ar_decode, generate = dec._ar_decode, dec.engine.generate
+    dec._ar_decode = lambda *a: (order.append("ar"), ar_decode(*a))[1]
+    dec.engine.generate = lambda *a, **k: (order.append("spec"), generate(*a, **k))[1]
+    sampled = []
+    for i in range(12):
+        before = len(order)
+        assert dec.decode({"id": i, "prompt": f"red blue {i}"})["error"] is None
+        if len(order) - before == 2:
+            sampled.append((i, order[before]))
+        dec.samples = []  # what a block's report does
+    assert sampled == [(1, "spec"), (5, "ar"), (9, "spec")]
+
+
 # ---------------- inputs, spec, flags ----------------
 
 def test_kinetics_csv_rows(tmp_path):

@@ -65,7 +65,7 @@ def build_parser(job: str) -> argparse.ArgumentParser:
     a("--rows-per-file", type=int, help="combine output into files of at least N rows (default 64; 0: a file per "
       "block, i.e. per --rows-per-block rows)")
     a("--speedup-sample", type=int, help="rows per decoder also decoded with plain AR, for the measured speedup in "
-      "the summary (default 8; 0: off)")
+      "the summary (default 16, every 4th settled row; 0: off)")
     a("--device")
     a("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     a("--s3-endpoint", help="S3-compatible endpoint, e.g. http://127.0.0.1:9000 (default: AWS_ENDPOINT_URL)")

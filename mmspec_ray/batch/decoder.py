@@ -29,6 +29,8 @@ from mmspec_ray.targets.registry import resolve_device_name, resolve_dtype
 
 log = logging.getLogger(__name__)
 
+SAMPLE_STRIDE = 4  # the speedup sample takes every this many settled rows
+
 
 def resolve_device(cfg: DecodeConfig) -> tuple[str, torch.dtype]:
     """(device, dtype) for this process: "auto" picks cuda when a GPU is visible (bf16 there, fp32 on CPU)."""
@@ -61,6 +63,7 @@ class SpecDecoder:
         self.progress = progress  # optional ProgressTracker actor handle
         self.ar_left = cfg.speedup_sample  # rows still to decode with AR too (the summary's measured speedup)
         self.samples: list[dict[str, Any]] = []  # those rows' timings, not yet reported
+        self.settled_rows = 0  # rows decoded with the tree settled (calibrated) after the decoder's first
         self.rows_done = 0  # rows this decoder has decoded (or tried to)
         self.max_row_crashes = max_row_crashes  # with `progress`: file a row that killed this many decoders
         self.load_seconds = time.perf_counter() - t0
@@ -109,9 +112,14 @@ class SpecDecoder:
         # a row that calibrates the tree, or the decoder's first (cold caches, lazy inits), is no fair speed sample
         settled = self.engine.calibrator is None and self.rows_done > 0
         self.rows_done += 1
-        sample = self.ar_left > 0 and settled
+        if settled:
+            self.settled_rows += 1
+        # every SAMPLE_STRIDE-th settled row: the sample spans the job's early rows, not only the first few, where
+        # the payoff guard and a learning drafter (suffix) are still learning the job's requests
+        sample = self.ar_left > 0 and settled and (self.settled_rows - 1) % SAMPLE_STRIDE == 0
         # every other sampled row runs its AR decode first: the second decode of a request finds warm caches
-        ar_first = self._ar_decode(request, row_id) if sample and len(self.samples) % 2 else None
+        taken = self.config.speedup_sample - self.ar_left  # rows sampled so far (`samples` empties at each report)
+        ar_first = self._ar_decode(request, row_id) if sample and taken % 2 else None
         try:
             gen = self.engine.generate(request, cfg.sampling_for(row_id), cfg.max_new_tokens, cfg.stop)
         except PromptTooLong as e:
