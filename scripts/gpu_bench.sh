@@ -3,12 +3,19 @@
 # Needs, besides this repo and its Python packages (transformers 5.23, pydantic: carried as wheels where missing):
 #   MMSPEC_HOME  holding the toy-s world (target, test split, drafters/eagle2): toy-m is grown from it here
 #   HIVIS        toy-m's HiViS drafter (its shipped one)
-#   RNG_STATE, EXPECT  for scripts/gpu_grow_toy_m.py: grow the very toy-m measured on the CPU, and check it
-# Optional: DEVICE (cuda), DTYPE (float32), PROMPTS (per workload, 4), REPEATS (3), PROMPTS_M / REPEATS_M (toy-m's,
-# 2 / 2), PY (python3), OUT (out/gpu).
+# Optional: RNG_STATE, EXPECT for scripts/gpu_grow_toy_m.py: grow the very toy-m measured on the CPU, and check it
+# (without them toy-m is grown as a sibling: other random weights in its new layers);
+# DEVICE (cuda), DTYPE (float32), PROMPTS (per workload, 4), REPEATS (3), PROMPTS_M / REPEATS_M (toy-m's, 2 / 2),
+# COSTS_STEPS (1: measure what a verify costs; 0: skip), DEFAULT_RUN (1: the default drafter of each world against
+# the trained heads, T = 0 and 1, instead of the fixed / calibrated HiViS and EAGLE-2 runs), PY (python3),
+# OUT (out/gpu).
 # A step that fails or runs out of its time is logged and the next one runs; the smoke test alone stops the run.
 set -uo pipefail
-: "${MMSPEC_HOME:?}" "${HIVIS:?}" "${RNG_STATE:?}" "${EXPECT:?}"  # all needed: fail now, not half-way
+: "${MMSPEC_HOME:?}" "${HIVIS:?}"  # needed: fail now, not half-way
+RNG_STATE=${RNG_STATE:-}
+EXPECT=${EXPECT:-}
+COSTS_STEPS=${COSTS_STEPS:-1}
+DEFAULT_RUN=${DEFAULT_RUN:-0}
 OUT=${OUT:-out/gpu}
 DEVICE=${DEVICE:-cuda}
 DTYPE=${DTYPE:-float32}
@@ -56,11 +63,25 @@ sys.exit(1 if bad else 0)
 PYEOF
 
 # 2. What a verify costs against an AR step (the reason trees pay on a GPU and barely on a CPU).
-step costs_toy_s 60 $PY -m mmspec_ray.bench.costs --target toy-s --device "$DEVICE" --dtype "$DTYPE" $COSTS
-ATEN_CPU_CAPABILITY=avx2 step grow_toy_m 90 $PY scripts/gpu_grow_toy_m.py --rng-state "$RNG_STATE" --expect "$EXPECT" \
+[ "$COSTS_STEPS" = 1 ] && step costs_toy_s 60 $PY -m mmspec_ray.bench.costs --target toy-s --device "$DEVICE" \
+    --dtype "$DTYPE" $COSTS
+ATEN_CPU_CAPABILITY=avx2 step grow_toy_m 90 $PY scripts/gpu_grow_toy_m.py ${RNG_STATE:+--rng-state "$RNG_STATE"} \
+    ${EXPECT:+--expect "$EXPECT"} \
     || echo "=== toy-m's grow failed or gave other weights than the CPU's (grow_toy_m.log): compare with care"
-step costs_toy_m 60 $PY -m mmspec_ray.bench.costs --target toy-m --device "$DEVICE" --dtype "$DTYPE" $COSTS
-step costs_toy_m_bf16 60 $PY -m mmspec_ray.bench.costs --target toy-m --device "$DEVICE" --dtype bfloat16 $COSTS
+if [ "$COSTS_STEPS" = 1 ]; then
+    step costs_toy_m 60 $PY -m mmspec_ray.bench.costs --target toy-m --device "$DEVICE" --dtype "$DTYPE" $COSTS
+    step costs_toy_m_bf16 60 $PY -m mmspec_ray.bench.costs --target toy-m --device "$DEVICE" --dtype bfloat16 $COSTS
+fi
+
+# 3'. The default drafter of each world (`auto`: toy-s as toy-m's draft model; toy-s's suffix drafter) against
+#     HiViS (toy-m) and EAGLE-2 (toy-s) and the peers, every tree calibrated here, T = 0 and 1 in one run each.
+if [ "$DEFAULT_RUN" = 1 ]; then
+    PROMPTS=${PROMPTS_M:-2} REPEATS=${REPEATS_M:-2} \
+        bench toy-m-default 330 toy-m instructions,long_images "auto=auto@auto,hivis=$HIVIS@auto" 0 1
+    bench toy-s-default 150 toy-s instructions,long_images "auto=auto@auto,eagle2=$S/drafters/eagle2@auto" 0 1
+    echo "=== done $(date +%T)"
+    exit 0
+fi
 
 # 3. The bench: every method interleaved, a fixed tree and the tree calibrated on this device. Video workloads need
 #    PyAV, which a lent machine lacks: long_images is the long-answer workload without video.

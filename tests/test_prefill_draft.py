@@ -180,3 +180,5 @@ def test_the_suffix_drafter_drafts_the_opening_of_answers_to_the_same_prompt():
     assert d.prompt_draft([7, 8], depth=6) == [5, 6, 7]  # its own opening, share 1
     assert d.marker == prompt_marker([7, 8]) != prompt_marker([8, 7])
     assert SuffixDrafter().prompt_draft([1], depth=4) == []  # an empty corpus: nothing
+    d.cfg = d.cfg.model_copy(update={"openings": False})
+    assert d.prompt_draft([7, 8], depth=6) == []

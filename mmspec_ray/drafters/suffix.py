@@ -54,6 +54,7 @@ class SuffixConfig(BaseModel):
     learn: bool = True  # add each decoded answer to the corpus
     # learning stops at this many corpus tokens: an index costs up to ~1.35 KB per token (random runs; ~270 MB here)
     max_corpus_tokens: int = Field(200_000, ge=0)
+    openings: bool = True  # draft an answer's opening from the prompt, for the engine to verify in the prefill
     # an opening drafted from the prompt ends where its share of the counted openings (the product of each token's
     # share after the one before) falls below this: each further token costs the prefill a position
     opening_share: float = Field(0.2, ge=0.0, le=1.0)
@@ -175,6 +176,8 @@ class SuffixDrafter:
         self.marker = prompt_marker(prompt)
         start = self.marker if (self.marker,) in self.corpus.counts else START
         chain: list[int] = []
+        if not self.cfg.openings:
+            return chain
         share = 1.0
         while len(chain) < depth:
             counts = self.corpus.longest([start, *chain])

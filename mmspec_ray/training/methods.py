@@ -621,8 +621,9 @@ class SuffixMethod(TrainingMethod):
     needs = ()
     corpus_only = True
 
-    def __init__(self, max_context: int = 4, learn: bool = True) -> None:
-        self.cfg = SuffixConfig(max_context=max_context, learn=learn)
+    def __init__(self, max_context: int = 4, learn: bool = True, openings: bool = True,
+                 opening_share: float = 0.2) -> None:
+        self.cfg = SuffixConfig(max_context=max_context, learn=learn, openings=openings, opening_share=opening_share)
 
     def build(self, target: "VLMTarget", examples: list[FeatureExample], out: Path) -> Path:
         """Write the corpus of `examples`' answers for `target` into `out`."""
