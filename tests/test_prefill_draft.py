@@ -18,7 +18,7 @@ from mmspec_ray.targets import Request, wrap
 from families import FAMILIES, build_target
 from test_accept import chi2_critical, chi2_stat
 from test_engine import target_three_token_distribution
-from tiny import tiny_llava
+from tiny import random_images, tiny_llava
 
 TREE = TreeConfig(top_k=2, depth=4, total_tokens=6)
 NEW = 20
@@ -66,6 +66,33 @@ def test_an_opening_verified_in_the_prefill_is_lossless_on_every_family(family):
             assert g.token_ids == a, (family, name, opening)
             assert (g.stats.prefill_drafted, g.stats.prefill_accepted) == (len(opening), accepted), (family, name)
             assert g.stats.cycles == len(a) - 1 - accepted  # plain cycles after the prefill's accepted + bonus
+
+
+def test_no_opening_where_a_long_clip_s_positions_run_past_the_last_token():
+    """After a 96-frame clip the time axis of Qwen2-VL runs past the text that follows (Qwen2.5-VL's too, at its
+    real checkpoints' time scale): the answer starts after the largest position, an appended token would sit right
+    after the last one. The engine declines the opening there (the answer stays AR's); with 4 frames it takes it."""
+    family = "qwen2_vl"
+    target = build_target(family)
+    long = Request(prompt="hi", videos=(tuple(random_images(96, seed=3)),))
+    pos = target.prompt_positions(target.encode(long))
+    assert int(pos[..., -1].max()) < int(pos.max())  # the case: the largest position inside the clip
+    short = FAMILIES[family].requests["video"]
+    for req, drafted in ((long, 0), (short, 3)):
+        ar = AREngine(target).generate(req, max_new_tokens=NEW).token_ids
+        g = SpecEngine(target, OpeningDrafter(lambda p, a=ar: a[:3]), TREE).generate(req, max_new_tokens=NEW)
+        assert g.token_ids == ar and g.stats.prefill_drafted == drafted, (family, drafted)
+
+
+def test_an_opening_stops_before_a_media_placeholder_id():
+    """A drafted image placeholder id would be counted as media by the prefill (a feature-count mismatch): the
+    opening is cut before it, and the answer is AR's."""
+    target = build_target("llava")
+    req = FAMILIES["llava"].requests["image"]
+    ar = AREngine(target).generate(req, max_new_tokens=NEW).token_ids
+    image_id = next(iter(target.media_token_ids))
+    g = SpecEngine(target, OpeningDrafter(lambda p: [ar[0], image_id, ar[2]]), TREE).generate(req, max_new_tokens=NEW)
+    assert g.token_ids == ar and (g.stats.prefill_drafted, g.stats.prefill_accepted) == (1, 1)
 
 
 def test_the_prefill_outputs_are_the_prompt_s_with_or_without_a_draft():

@@ -209,13 +209,20 @@ class SpecEngine:
     def _prompt_draft(self, inputs: dict, remaining: int, guard: object) -> list[int]:
         """The answer's first tokens as the drafter guesses them from the prompt alone (a drafter with
         `prompt_draft`: one that needs no target features), to verify inside the prefill's forward: up to the
-        tree's depth, none where this engine or the payoff guard decodes the request plainly."""
+        tree's depth and the first media placeholder id (the prefill would count it as media), none where this
+        engine or the payoff guard decodes the request plainly or the prompt's positions do not take it."""
         propose = getattr(self.drafter, "prompt_draft", None)
-        plain = guard is not None and (guard.level >= guard.plain_level or guard.defer > 0)
+        plain = guard is not None and guard.level >= guard.plain_level
         depth = min(self.tree.depth, remaining - 1)
         if propose is None or self.tree.total_tokens <= 1 or plain or depth < 1:
             return []
-        return list(propose(inputs["input_ids"][0].tolist(), depth))[:depth]
+        media = self.target.media_token_ids
+        chain: list[int] = []
+        for tok in list(propose(inputs["input_ids"][0].tolist(), depth))[:depth]:
+            if tok in media:
+                break
+            chain.append(int(tok))
+        return chain if chain and self.target.takes_draft(inputs) else []
 
     @staticmethod
     def _fit(room: int, remaining: int, tree: TreeConfig, probing: bool = False) -> TreeConfig:

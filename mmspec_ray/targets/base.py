@@ -349,6 +349,14 @@ class VLMTarget:
         """[3, 1, n] M-RoPE position ids of the prompt positions, or None where position i is i (this default)."""
         return None
 
+    def takes_draft(self, inputs: dict[str, Any]) -> bool:
+        """Whether tokens appended to this prompt in the prefill (`prefill(draft=...)`) get the positions decoding
+        gives the answer: where the prompt's largest position is its last token's. Not so after a long clip in
+        Qwen2-VL / 2.5-VL, whose time axis runs past the text that follows it (the answer starts after the largest
+        position, an appended token right after the last one)."""
+        pos = self.prompt_positions(inputs)
+        return pos is None or bool(pos[..., -1].max() == pos.max())
+
     def after_prefill_position(self, inputs: dict[str, Any]) -> int:
         """Position id of the first generated token (M-RoPE families add their rope delta)."""
         return inputs["input_ids"].shape[1]
