@@ -138,6 +138,37 @@ def test_a_kind_where_drafting_lost_starts_plain_for_its_usual_answer_length():
     assert guard.request(TREE, "text/short").next_tree(0) == TREE  # other kinds are not held back
 
 
+def test_a_deferred_or_plain_kind_is_measured_again_now_and_then():
+    """A kind deferred after drafting lost (one noisy request is enough), or ending plain with answers shorter than
+    the backoff, never drafts again on its own: every EXPLORE_EVERY-th request drafts from its start, and once that
+    pays the kind drafts again."""
+    from mmspec_ray.decoding.payoff import EXPLORE_EVERY
+
+    guard = PayoffGuard()
+    yardstick(guard)
+    r = guard.request(TREE, "video/short")
+    r.next_tree(0)
+    r.record(TREE, 1, 3.0)  # one request that lost (a noisy cycle)
+    r.finish(9)
+    firsts = []
+    for _ in range(EXPLORE_EVERY):
+        r = guard.request(TREE, "video/short")
+        firsts.append(r.next_tree(0))
+        if firsts[-1] != PLAIN:  # the re-measured request pays: 3 tokens a cycle at a plain step's time
+            for n in range(0, 9, 3):
+                r.record(r.next_tree(n), 3, 1.0, generated=n)
+        else:
+            for n in range(9):
+                r.record(PLAIN, 1, 1.0)
+        r.finish(9)
+    assert firsts.count(PLAIN) == EXPLORE_EVERY - 2 and firsts[-1] != PLAIN  # deferred, then measured again
+    assert guard.kinds["video/short"].pay_s > 0 and guard.request(TREE, "video/short").next_tree(0) != PLAIN
+    other = guard.kinds.setdefault("image/short", KindMemory())
+    other.level, other.gains = len(ladder(TREE)) - 1, {0: 0.5}  # ended plain, its rungs lost
+    starts = [guard.request(TREE, "image/short").next_tree(0) for _ in range(EXPLORE_EVERY)]
+    assert starts.count(PLAIN) == EXPLORE_EVERY - 1 and starts[-1] == ladder(TREE)[-2]
+
+
 def test_request_kind_by_media_and_prompt_length():
     from tiny import random_images
 

@@ -76,7 +76,9 @@ class KindMemory:
         `EXPLORE_EVERY` requests (so a rung that lost once on a few cycles is measured again)."""
         self.requests += 1
         if self.level >= plain_level and max(self.gains.values(), default=0.0) < 1.0:
-            return plain_level
+            # every EXPLORE_EVERY-th request drafts again: answers shorter than the backoff never reach a retry
+            remeasure = plain_level > 0 and self.requests % EXPLORE_EVERY == 0
+            return plain_level - 1 if remeasure else plain_level
         rungs = range(plain_level)
         known = {r: g for r, g in self.gains.items() if r < plain_level}
         if not known:
@@ -91,8 +93,10 @@ class KindMemory:
 
     def defer(self) -> int:
         """Answer tokens to decode plainly before the drafter begins: none while drafting pays on this kind, else the
-        kind's usual answer length (answers that end by then never pay the drafter's prefill)."""
-        if self.pay_s is None or self.pay_s >= 0 or not self.answers:
+        kind's usual answer length (answers that end by then never pay the drafter's prefill). Every
+        EXPLORE_EVERY-th request of a deferred kind drafts from its start, so the payoff is measured again (one
+        request that lost to noise must not hold the kind plain for good: a deferred answer never drafts)."""
+        if self.pay_s is None or self.pay_s >= 0 or not self.answers or self.requests % EXPLORE_EVERY == 0:
             return 0
         return int(statistics.median(self.answers)) + 1
 
