@@ -6,9 +6,9 @@
 # Optional: RNG_STATE, EXPECT for scripts/gpu_grow_toy_m.py: grow the very toy-m measured on the CPU, and check it
 # (without them toy-m is grown as a sibling: other random weights in its new layers);
 # DEVICE (cuda), DTYPE (float32), PROMPTS (per workload, 4), REPEATS (3), PROMPTS_M / REPEATS_M (toy-m's, 2 / 2),
-# COSTS_STEPS (1: measure what a verify costs; 0: skip), DEFAULT_RUN (1: the default drafter of each world against
-# the trained heads, T = 0 and 1, instead of the fixed / calibrated HiViS and EAGLE-2 runs), PY (python3),
-# OUT (out/gpu).
+# COSTS_STEPS (1: measure what a verify costs; 0: skip), DEFAULT_RUN (1: the default drafter of each world and the
+# peers, toy-s's EAGLE-2 beside it, T = 0 and 1, instead of the fixed / calibrated HiViS and EAGLE-2 runs),
+# PY (python3), OUT (out/gpu).
 # A step that fails or runs out of its time is logged and the next one runs; the smoke test alone stops the run.
 set -uo pipefail
 : "${MMSPEC_HOME:?}"  # needed: fail now, not half-way
