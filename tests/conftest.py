@@ -32,8 +32,21 @@ def pytest_configure(config) -> None:
     import torch
 
     torch.set_num_threads(1)
+    _hypothesis_profile()
     # tree calibrations of the suite's throwaway checkpoints stay out of the user's cache (Ray workers inherit it)
     os.environ["MMSPEC_CALIBRATION_DIR"] = tempfile.mkdtemp(prefix="mmspec-calibration-")
+
+
+def _hypothesis_profile() -> None:
+    """Property tests draw the same examples on every run (`derandomize`), so a red test is red again on the next
+    run and on any machine; MMSPEC_HYPOTHESIS_EXPLORE=1 draws fresh ones (a failure prints its reproduce blob)."""
+    try:
+        from hypothesis import settings
+    except ImportError:
+        return
+    settings.register_profile("fixed", derandomize=True, print_blob=True)
+    settings.register_profile("explore", print_blob=True)
+    settings.load_profile("explore" if os.environ.get("MMSPEC_HYPOTHESIS_EXPLORE") == "1" else "fixed")
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -13,6 +13,7 @@ import asyncio
 import hmac
 import logging
 import math
+import os
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -21,10 +22,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
+import ray
 from ray import serve
 from ray.serve import Application
 
-from mmspec_ray.batch.cluster import serve_replica_on_loopback
+from mmspec_ray.batch.cluster import loopback_only, open_without_auth, serve_replica_on_loopback
 from mmspec_ray.batch.plan import auto_gpus
 from mmspec_ray.batch.decoder import SpecDecoder
 from mmspec_ray.config import SamplingParams
@@ -32,8 +34,8 @@ from mmspec_ray.drafters.base import stop_learning
 from mmspec_ray.serve.errors import APIError, target_error
 from mmspec_ray.serve.messages import remote_media, to_request
 from mmspec_ray.serve.metrics import ServeMetrics
-from mmspec_ray.serve.protocol import ChatRequest, chunk_body, completion_body, completion_id, decode_json, \
-    parse_request, spec_stats, sse_event, usage
+from mmspec_ray.serve.protocol import ChatRequest, check_content_type, chunk_body, completion_body, completion_id, \
+    decode_json, parse_request, spec_stats, sse_event, usage
 from mmspec_ray.serve.relay import read_body, relay, respond
 from mmspec_ray.serve.run import DecodeRun, drain
 from mmspec_ray.serve.settings import FRONT_DEPLOYMENT, ServeSettings
@@ -43,6 +45,7 @@ from mmspec_ray.targets import TargetError
 log = logging.getLogger(__name__)
 DEPLOYMENT_NAME = "ChatCompletions"
 FRONT_NAME = "HTTPFront"
+LARGE_BODY_BYTES = 1 << 20  # bodies parsed in a worker thread past this size
 front = FastAPI(title="mmspec-ray", docs_url=None, redoc_url=None)
 
 
@@ -76,6 +79,7 @@ class ChatServer:
         self.api_key = s.api_key()
         self.model = s.served_name
         self.decoder = SpecDecoder(s.decode)
+        self.max_chars = s.limits.prompt_chars(self.decoder.target.max_context)
         if stop_learning(self.decoder.drafter):  # one user's answers must not shape (nor, by timing, reveal to)
             log.info("drafter learning from decoded answers is off in the endpoint")  # another user's drafts
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmspec-decode")
@@ -130,6 +134,7 @@ class ChatServer:
         stream = False
         try:
             self._auth(request)
+            check_content_type(request.headers.get("content-type"))
             body = await self._json(request)
             read_s = time.perf_counter() - t0  # Serve's replica fetches the body from its proxy
             req = parse_request(body)
@@ -176,7 +181,10 @@ class ChatServer:
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     async def _json(self, request: HTTPRequest) -> Any:
-        return decode_json(await read_body(request, self.settings.limits.max_body_bytes))
+        raw = await read_body(request, self.settings.limits.max_body_bytes)
+        if len(raw) > LARGE_BODY_BYTES:  # parsing megabytes takes a while: not on the event loop
+            return await asyncio.to_thread(decode_json, raw)
+        return decode_json(raw)
 
     async def _start(self, req: ChatRequest) -> tuple[DecodeRun, Any]:
         """Check the request, decode its media, wait for the decoder and start decoding. A stream also waits for
@@ -189,9 +197,9 @@ class ChatServer:
             raise APIError(400, f"max_tokens {max_tokens} is over this server's limit of "
                            f"{self.settings.limits.max_tokens}", param="max_tokens", code="invalid_value")
         if remote_media(req.messages):  # s3:// or http(s): I/O off the event loop
-            request = await asyncio.to_thread(to_request, req.messages, self.settings)
+            request = await asyncio.to_thread(to_request, req.messages, self.settings, self.max_chars)
         else:  # data: URLs only: a fraction of a millisecond of decoding, not worth a thread hop
-            request = to_request(req.messages, self.settings)
+            request = to_request(req.messages, self.settings, self.max_chars)
         sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                                   repetition_penalty=req.repetition_penalty, seed=req.seed)
         stop = req.stop_strings()
@@ -280,6 +288,26 @@ class ChatServer:
         self.metrics.request(status, stream)
 
 
+def refuse_open_cluster(settings: ServeSettings) -> None:
+    """With Ray's token auth off, every Ray server must listen on loopback only (whatever the environment says):
+    before Ray starts (`serve run module:build_app`) this turns the loopback mode on; on a running cluster whose node
+    address is not loopback it refuses in one line, unless the config allows an unauthenticated network."""
+    if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+        if not is_token_auth_enabled():
+            loopback_only()
+        return
+    where = open_without_auth()
+    if where is not None and not settings.allow_unauthenticated_network:
+        raise ValueError(
+            f"refusing to serve: Ray's token auth is off and this cluster's servers listen on {where}, so anyone "
+            "who reaches it can run code here. On one machine start it on loopback: RAY_AUTH_MODE=disabled "
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 serve run CONFIG; on a cluster turn on token auth "
+            "(RAY_AUTH_MODE=token); or set allow_unauthenticated_network: true in the app's args if a firewall "
+            "already guards this network")
+
+
 def serve_drafter(decode):
     """(decode with drafter auto made concrete where it is cheap, why): a checkpoint's drafter is found here once
     by its identity; a toy world's shipped drafter stays `auto` (the replica trains it on first start)."""
@@ -321,6 +349,7 @@ def build_app(args: dict[str, Any]) -> Application:
     from mmspec_ray.batch.cli import resolve_target
 
     settings = ServeSettings.model_validate(args)
+    refuse_open_cluster(settings)
     settings = settings.model_copy(update={"model_name": settings.served_name})
     decode = settings.decode.model_copy(update={"target": resolve_target(settings.decode.target)})
     options = settings.deployment_options()

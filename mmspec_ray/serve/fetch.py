@@ -11,7 +11,7 @@ import logging
 import socket
 import ssl
 from typing import Literal
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from mmspec_ray.config import MediaLimits, S3Config
 from mmspec_ray.media import MediaError
@@ -31,7 +31,7 @@ def fetch_media(url: str, kind: MediaKind, limit: int, where: str, s3: S3Config,
     if url.startswith("data:"):
         return _data_url(url, limit, where)
     if url.startswith("s3://"):
-        bucket = url[len("s3://"):].split("/", 1)[0]
+        bucket = s3_bucket_of(url, where)
         if bucket not in fetch.allow_s3_buckets:
             raise APIError(400, f"{where}: s3 bucket {bucket!r} is not in this server's allow-list for media URLs "
                            "(fetch.allow_s3_buckets); send the media inline as a data: URL", param=where,
@@ -42,6 +42,28 @@ def fetch_media(url: str, kind: MediaKind, limit: int, where: str, s3: S3Config,
         return _http(url, limit, where, fetch)
     raise APIError(400, f"{where}: unsupported URL scheme {scheme or url[:16]!r}; send a data: URL (base64), an "
                    f"s3:// URI or, where the server allows it, an http(s) URL", param=where, code="invalid_url")
+
+
+def s3_bucket_of(url: str, where: str) -> str:
+    """The bucket of an s3:// URL whose key names one object plainly. A key with an empty, `.` or `..` segment
+    (`s3://ok/../secret/x.png`, `s3://ok//x.png`), also percent-encoded, is refused: S3 clients collapse such paths
+    before sending, so the object read would not be the one the allow-list checked. So are `?`, `#` and `\\`."""
+    bucket, _, key = url[len("s3://"):].partition("/")
+    why = None
+    if not bucket or not key:
+        why = "no bucket and object key"
+    elif any(c in key for c in "?#\\"):
+        why = "a ?, # or \\ in its key"
+    else:
+        for segments in (key.split("/"), unquote(key).split("/")):
+            bad = next((seg for seg in segments if seg in ("", ".", "..")), None)
+            if bad is not None:
+                why = f"a path segment {bad!r} in its key" if bad else "an empty path segment (//) in its key"
+                break
+    if why:
+        raise APIError(400, f"{where}: {url[:200]!r} has {why}; name one object by its plain key "
+                       "(s3://bucket/path/file.png)", param=where, code="invalid_url")
+    return bucket
 
 
 def _too_large(where: str, size: int | str, limit: int) -> APIError:

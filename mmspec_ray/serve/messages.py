@@ -10,6 +10,7 @@ from typing import Any
 from mmspec_ray.batch.rows import RowError, prepare_row
 from mmspec_ray.serve.errors import APIError, from_row_error
 from mmspec_ray.serve.fetch import fetch_media
+from mmspec_ray.serve.protocol import check_shape
 from mmspec_ray.serve.settings import ServeSettings
 from mmspec_ray.targets import Request
 
@@ -19,16 +20,25 @@ ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system rol
 _INDEXED = re.compile(r"^(image|video)\[(\d+)\]")
 
 
-def to_request(messages: list[Any], settings: ServeSettings) -> Request:
-    """Fetch, validate and decode one chat request's messages. Raises APIError (400 / 413) naming the element."""
+def to_request(messages: list[Any], settings: ServeSettings, max_chars: int | None = None) -> Request:
+    """Check, fetch and decode one chat request's messages. Raises APIError (400 / 413) naming the element. The
+    shape, the text's length (`max_chars`, before any tokenizing) and the media count are checked before any media
+    is fetched, so a refused request costs no reads."""
     limits = settings.limits
+    check_shape(messages)
+    chars = sum(len(t) for t in _texts(messages))
+    if max_chars is not None and chars > max_chars:
+        raise APIError(400, f"messages: {chars} characters of text; this server takes at most {max_chars} per "
+                       "request (its context at a few characters per token: limits.max_prompt_chars)",
+                       param="messages", code="context_length_exceeded")
+    n_media = sum(1 for _, part in _parts(messages) if part["type"] in MEDIA_PART_TYPES)
+    if n_media > limits.max_media_parts:
+        raise APIError(400, f"messages: {n_media} image/video parts; this server takes at most "
+                       f"{limits.max_media_parts} per request", param="messages", code="too_many_media_parts")
     media: dict[str, list[bytes]] = {"image": [], "video": []}
     where_of: dict[str, list[str]] = {"image": [], "video": []}
     rows: list[Any] = []
     for i, m in enumerate(messages):
-        if not isinstance(m, Mapping):
-            raise APIError(400, f"messages[{i}]: expected a {{role, content}} object", param=f"messages[{i}]",
-                           code="invalid_value")
         m = {k: v for k, v in m.items() if k in ("role", "content")}
         m["role"] = ROLE_ALIASES.get(m.get("role"), m.get("role"))
         if isinstance(m.get("content"), list):
@@ -37,10 +47,6 @@ def to_request(messages: list[Any], settings: ServeSettings) -> Request:
                 parts.append(_part(part, f"messages[{i}].content[{j}]", settings, media, where_of))
             m["content"] = parts
         rows.append(m)
-    n_media = len(media["image"]) + len(media["video"])
-    if n_media > limits.max_media_parts:
-        raise APIError(400, f"messages: {n_media} image/video parts; this server takes at most "
-                       f"{limits.max_media_parts} per request", param="messages", code="too_many_media_parts")
     row = {"messages": rows, "image": media["image"] or None, "video": media["video"] or None}
     try:
         return prepare_row(row, settings.decode)
@@ -53,13 +59,25 @@ def to_request(messages: list[Any], settings: ServeSettings) -> Request:
         raise err from e
 
 
+def _parts(messages: list[Any]) -> list[tuple[Mapping, Mapping]]:
+    """(message, part) for every content part of shape-checked messages."""
+    return [(m, p) for m in messages if isinstance(m.get("content"), list) for p in m["content"]]
+
+
+def _texts(messages: list[Any]) -> list[str]:
+    """Every text of shape-checked messages: string contents and the text of text parts."""
+    out = [m["content"] for m in messages if isinstance(m.get("content"), str)]
+    return out + [p["text"] for _, p in _parts(messages) if p["type"] == "text" and isinstance(p.get("text"), str)]
+
+
 def remote_media(messages: list[Any]) -> bool:
-    """True when some media part has a URL other than data: (fetching it is I/O)."""
+    """True when some media part has a URL other than data: (fetching it is I/O). Safe on any JSON."""
     for m in messages:
         content = m.get("content") if isinstance(m, Mapping) else None
         for part in content if isinstance(content, list) else ():
-            if isinstance(part, Mapping) and part.get("type") in MEDIA_PART_TYPES:
-                ref = part.get(part["type"])
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if isinstance(kind, str) and kind in MEDIA_PART_TYPES:
+                ref = part.get(kind)
                 url = ref.get("url") if isinstance(ref, Mapping) else ref
                 if not (isinstance(url, str) and url.startswith("data:")):
                     return True
@@ -69,10 +87,7 @@ def remote_media(messages: list[Any]) -> bool:
 def _part(part: Any, where: str, settings: ServeSettings, media: dict[str, list[bytes]],
           where_of: dict[str, list[str]]) -> Any:
     """One content part: text passes through (checked by the batch layer), media is fetched, others refused."""
-    if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
-        raise APIError(400, f"{where}: expected a part like {{\"type\": \"text\", \"text\": ...}}", param=where,
-                       code="invalid_value")
-    kind = part["type"]
+    kind = part["type"]  # (shape checked by check_shape)
     if kind == "text":
         return dict(part)
     if kind not in MEDIA_PART_TYPES:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -63,6 +64,15 @@ class ChatRequest(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
+def check_content_type(value: str | None) -> None:
+    """A body must say it is JSON: a form or plain-text post (what a web page can make a browser send without
+    asking the server first) is a 415."""
+    kind = (value or "").split(";", 1)[0].strip().lower()
+    if kind != "application/json" and not (kind.startswith("application/") and kind.endswith("+json")):
+        raise APIError(415, f"Content-Type {value or '(none)'!r}: send the body as JSON with Content-Type: "
+                       "application/json", param="Content-Type", code="unsupported_media_type")
+
+
 def decode_json(raw: bytes) -> Any:
     """The request body as JSON; anything undecodable (bad syntax or encoding, nesting too deep for the parser)
     is a 400 `invalid_json`."""
@@ -93,12 +103,57 @@ def check_text(data: Any) -> None:
             stack += [(f"{where}[{i}]", x) for i, x in enumerate(v)]
 
 
-def check_contents(messages: list[Any]) -> None:
-    """A message's content is a string, a list of parts or null: anything else (a number) is refused here."""
+def check_shape(messages: list[Any]) -> None:
+    """Every message an object with a string role (or none) and a string, list or null content; every content part
+    an object with a string type. Anything else (a list as role or type) is a 400 naming it."""
     for i, m in enumerate(messages):
-        if isinstance(m, dict) and "content" in m and not isinstance(m["content"], (str, list, type(None))):
-            raise APIError(400, f"messages[{i}].content: expected a string or a list of content parts, got "
-                           f"{type(m['content']).__name__}", param=f"messages[{i}].content", code="invalid_value")
+        where = f"messages[{i}]"
+        if not isinstance(m, Mapping):
+            raise APIError(400, f"{where}: expected a {{role, content}} object", param=where, code="invalid_value")
+        role = m.get("role")
+        if role is not None and not isinstance(role, str):
+            raise APIError(400, f"{where}.role: expected a string (system, user or assistant), got "
+                           f"{type(role).__name__}", param=f"{where}.role", code="invalid_value")
+        content = m.get("content")
+        if not isinstance(content, (str, list, type(None))):
+            raise APIError(400, f"{where}.content: expected a string or a list of content parts, got "
+                           f"{type(content).__name__}", param=f"{where}.content", code="invalid_value")
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            at = f"{where}.content[{j}]"
+            if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
+                raise APIError(400, f"{at}: expected a part like {{\"type\": \"text\", \"text\": ...}} (an object "
+                               "whose type is a string)", param=at, code="invalid_value")
+
+
+# Fields of OpenAI's schema this server does not implement: a request that asks for one gets a 400 naming it, never
+# a 200 that silently lacks what it asked for. field -> (is the value a request for the feature?, what to say)
+UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "logprobs": (lambda v: v not in (None, False), "log probabilities are not returned by this server"),
+    "top_logprobs": (lambda v: v is not None, "log probabilities are not returned by this server"),
+    "tools": (lambda v: v not in (None, []), "this server does not call tools; send no tools (or tool_choice "
+              "\"none\")"),
+    "tool_choice": (lambda v: v not in (None, "none", "auto"), "this server does not call tools"),
+    "functions": (lambda v: v not in (None, []), "this server does not call functions"),
+    "function_call": (lambda v: v not in (None, "none", "auto"), "this server does not call functions"),
+    "response_format": (lambda v: not (v is None or (isinstance(v, dict) and v.get("type") == "text")),
+                        "only plain text answers (response_format {\"type\": \"text\"}); JSON modes and schemas are "
+                        "not enforced by this server"),
+    "logit_bias": (lambda v: v not in (None, {}), "logit_bias is not applied by this server"),
+    "presence_penalty": (lambda v: v not in (None, 0, 0.0), "presence_penalty is not applied by this server; "
+                         "repetition_penalty is"),
+    "frequency_penalty": (lambda v: v not in (None, 0, 0.0), "frequency_penalty is not applied by this server; "
+                          "repetition_penalty is"),
+}
+
+
+def check_supported(data: dict[str, Any]) -> None:
+    """A 400 naming the first field that asks for a feature this server does not implement."""
+    tools_off = data.get("tool_choice") == "none"
+    for name, (asks, why) in UNSUPPORTED.items():
+        if name not in data or (name == "tools" and tools_off):
+            continue
+        if asks(data[name]):  # (`in` on a tuple compares with ==: any JSON value is safe)
+            raise APIError(400, f"{name}: {why}", param=name, code="unsupported_parameter")
 
 
 def parse_request(data: Any) -> ChatRequest:
@@ -107,7 +162,8 @@ def parse_request(data: Any) -> ChatRequest:
         raise APIError(400, "the request body must be a JSON object", code="invalid_request")
     check_text(data)
     if isinstance(data.get("messages"), list):
-        check_contents(data["messages"])
+        check_shape(data["messages"])
+    check_supported(data)
     try:
         return ChatRequest.model_validate(data)
     except ValidationError as e:

@@ -30,6 +30,10 @@ FRONT_DEPLOYMENT: dict[str, Any] = {
 }
 
 
+# Characters per token of context in the default text bound: natural text and code average 2-5 characters a token.
+CHARS_PER_TOKEN = 8
+
+
 class FetchSettings(BaseModel):
     """Media URLs a client may name: plain http(s) only for listed hosts (private, loopback and link-local addresses
     refused whatever the list says), s3:// only in listed buckets, so no client makes the server read an object
@@ -54,6 +58,13 @@ class ServeLimits(BaseModel):
     max_video_bytes: int = Field(64 * 1024 * 1024, ge=1)
     max_media_parts: int = Field(16, ge=0)
     max_tokens: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
+    max_prompt_chars: int | None = Field(None, ge=1, description=(
+        "characters of text a request may carry, checked before tokenizing; None: the target's context length x "
+        f"{CHARS_PER_TOKEN} (more text than that cannot fit at any usual tokenization)"))
+
+    def prompt_chars(self, context_tokens: int) -> int:
+        """The text bound for a target of `context_tokens` positions."""
+        return self.max_prompt_chars or CHARS_PER_TOKEN * context_tokens
 
 
 class ServeSettings(BaseModel):
@@ -68,6 +79,9 @@ class ServeSettings(BaseModel):
     fetch: FetchSettings = FetchSettings()
     api_key_env: str | None = Field(None, description="environment variable holding the bearer token clients "
                                     "must send (read in the replica; never logged); None: no auth")
+    allow_unauthenticated_network: bool = Field(False, description=(
+        "serve even where Ray's token auth is off and its servers listen beyond loopback (only behind a firewall "
+        "that keeps every untrusted host off the cluster's network)"))
     deployment: dict[str, Any] = Field(default_factory=dict, description="Serve deployment options merged over "
                                        "DEFAULT_DEPLOYMENT (a config's deployments: section overrides both)")
     gpus_per_replica: Annotated[float, Field(ge=0.0)] | Literal["auto"] = Field("auto", description=(
