@@ -290,6 +290,44 @@ def test_a_replica_killed_mid_request_answers_503_with_retry_after_and_is_replac
         pytest.fail("the tight app did not answer again after its replica was replaced")
 
 
+def test_requests_sent_while_the_replica_is_replaced_get_a_prompt_503(serve_app):
+    """The `tight` app's only decoder replica is killed with nothing in flight; requests sent right after wait for
+    no replica: each gets a 503 in the API's format within seconds (not Serve's half-minute hold), with a
+    Retry-After of at least a second, until the replacement answers 200."""
+    import ray
+
+    name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if "tight#ChatCompletions" in a["name"])
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=False)
+    time.sleep(0.5)
+    seen: list[tuple[int, float, str | None]] = []
+    deadline = time.time() + 150
+    while time.time() < deadline:
+        t = time.perf_counter()
+        r = post(serve_app, "/tight/v1/chat/completions", chat())
+        raw = r.read()
+        seen.append((r.status, time.perf_counter() - t, r.headers.get("Retry-After")))
+        if r.status == 200:
+            break
+        assert r.status == 503, raw[:300]
+        assert json.loads(raw)["error"]["code"] == "unavailable"
+    else:
+        pytest.fail(f"no 200 after the replacement: {seen}")
+    refused = [s for s in seen if s[0] == 503]
+    assert refused, seen  # the first request came while no replica ran
+    assert all(wait < 12 and retry is not None and int(retry) >= 1 for _, wait, retry in refused), seen
+
+
+@pytest.mark.parametrize("method,path,status", [
+    ("OPTIONS", "/v1/chat/completions", 405), ("TRACE", "/v1/chat/completions", 405),
+    ("PUT", "/v1/chat/completions", 405), ("DELETE", "/v1/models", 405), ("OPTIONS", "/", 404),
+    ("TRACE", "/anything", 404),
+])
+def test_other_methods_answer_in_the_api_format(serve_app, method, path, status):
+    err = expect(post(serve_app, path, None, method=method), status)
+    assert err["code"] in ("method_not_allowed", "not_found")
+
+
 def test_generated_hostile_requests_never_get_a_5xx_from_the_live_app(serve_app):
     """The property test of test_serve_hostile.py, thrown at the running endpoint: any generated JSON in any field
     (max_tokens kept tiny or hostile) answers 200 or 400, never 5xx."""

@@ -3,6 +3,8 @@ settings. (The endpoint itself: test_serve.py, test_serve_limits.py.)"""
 
 from __future__ import annotations
 
+import asyncio
+
 import base64
 import http.server
 import threading
@@ -294,3 +296,40 @@ def test_the_relay_answers_a_replica_failure_in_the_api_format_and_keeps_the_bac
 
     cut = _call(_Replica(stream, fail=RuntimeError("boom"), after=2))
     assert cut.text.startswith("data: 0\n\n") and "internal error: RuntimeError" in cut.text
+
+
+class _Pending:
+    """A stand-in for Serve's response generator: assigned to a replica when `assigned` is set."""
+
+    def __init__(self) -> None:
+        self.assigned = asyncio.Event()
+
+    async def _fetch_future_result_async(self) -> None:
+        await self.assigned.wait()
+
+
+def test_replica_watch_answers_no_replica_promptly_and_learns_the_restart_time():
+    """A request not at a replica after the probe while none runs -> False (the relay's 503); a request that gets
+    assigned -> True, and the outage's length becomes the next Retry-After."""
+    from mmspec_ray.serve.replicas import DEFAULT_RESTART_S, ReplicaWatch
+
+    running = {"n": 0}
+
+    async def count() -> int:
+        return running["n"]
+
+    async def scenario() -> None:
+        watch = ReplicaWatch("app", "Chat", running=count, probe_s=0.05, ttl_s=0.0)
+        assert not await watch.wait_assigned(_Pending())
+        assert 1.0 <= watch.retry_after_s() <= DEFAULT_RESTART_S
+        running["n"] = 1  # a replica runs but is busy: keep waiting (a queued request is not refused)
+        busy = _Pending()
+        task = asyncio.ensure_future(watch.wait_assigned(busy))
+        await asyncio.sleep(0.3)
+        assert not task.done()
+        busy.assigned.set()
+        assert await task
+        assert watch.down_since is None and watch.restart_s < 5  # the outage, measured: about 0.35 s
+        assert watch.retry_after_s() == 1.0
+
+    asyncio.run(scenario())

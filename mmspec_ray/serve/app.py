@@ -37,6 +37,7 @@ from mmspec_ray.serve.metrics import ServeMetrics
 from mmspec_ray.serve.protocol import ChatRequest, check_content_type, chunk_body, completion_body, completion_id, \
     decode_json, parse_request, spec_stats, sse_event, usage
 from mmspec_ray.serve.relay import read_body, relay, respond
+from mmspec_ray.serve.replicas import ReplicaWatch
 from mmspec_ray.serve.run import DecodeRun, drain
 from mmspec_ray.serve.settings import FRONT_DEPLOYMENT, ServeSettings
 from mmspec_ray.serve.text import TextStream
@@ -45,6 +46,7 @@ from mmspec_ray.targets import TargetError
 log = logging.getLogger(__name__)
 DEPLOYMENT_NAME = "ChatCompletions"
 FRONT_NAME = "HTTPFront"
+ROUTES = {"/health": "GET", "/v1/models": "GET", "/v1/chat/completions": "POST"}
 LARGE_BODY_BYTES = 1 << 20  # bodies parsed in a worker thread past this size
 front = FastAPI(title="mmspec-ray", docs_url=None, redoc_url=None)
 
@@ -61,12 +63,13 @@ class HTTPFront:
         self.retry_after_s = retry_after_s
         self.max_body_bytes = max_body_bytes
         self.metrics = ServeMetrics(model)
+        self.watch = ReplicaWatch(serve.get_replica_context().app_name, DEPLOYMENT_NAME)
 
-    @front.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    @front.api_route("/{path:path}", methods=["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE"])
     async def any_route(self, path: str, request: HTTPRequest) -> Any:
         # the answers the relay makes itself (413, 503) are counted here, as stream "false" (it does not parse bodies)
         return await relay(self.chat, request, self.retry_after_s, self.max_body_bytes,
-                           counted=lambda status: self.metrics.request(status, False))
+                           counted=lambda status: self.metrics.request(status, False), watch=self.watch)
 
 
 @serve.deployment(name=DEPLOYMENT_NAME)
@@ -104,8 +107,11 @@ class ChatServer:
             return await self.models(request)
         if path == "/v1/chat/completions" and method == "POST":
             return await self.chat(request)
-        return APIError(404, f"no route {method} {path}: this server answers POST /v1/chat/completions, "
-                        "GET /v1/models and GET /health", code="not_found").response()
+        routes = "this server answers POST /v1/chat/completions, GET /v1/models and GET /health"
+        if path in ROUTES:
+            return APIError(405, f"{method} {path} is not allowed: {routes}", code="method_not_allowed",
+                            headers={"Allow": ROUTES[path]}).response()
+        return APIError(404, f"no route {method} {path}: {routes}", code="not_found").response()
 
     # ---------- Serve hooks ----------
     def check_health(self) -> None:

@@ -18,6 +18,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from mmspec_ray.serve.errors import APIError
 from mmspec_ray.serve.protocol import sse_event
+from mmspec_ray.serve.replicas import ReplicaWatch
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +56,10 @@ async def read_body(request: HTTPRequest, limit: int) -> bytes:
 
 
 async def relay(handle: Any, request: HTTPRequest, retry_after_s: float, max_body_bytes: int,
-                counted: Callable[[int], None] = lambda status: None) -> Response:
+                counted: Callable[[int], None] = lambda status: None, watch: ReplicaWatch | None = None) -> Response:
     """Send `request` to a replica behind `handle` (its `handle` method) and return its response as it streams.
-    `counted(status)` is told of every answer the relay makes itself (413, 503), which no replica counts."""
+    `counted(status)` is told of every answer the relay makes itself (413, 503), which no replica counts. With
+    `watch`, a request that waits while no replica runs gets a 503 whose Retry-After is a replacement's time."""
     try:
         body = await read_body(request, max_body_bytes)
     except APIError as e:
@@ -65,6 +67,11 @@ async def relay(handle: Any, request: HTTPRequest, retry_after_s: float, max_bod
         return e.response()
     scope = {k: request.scope[k] for k in SCOPE_KEYS if k in request.scope}
     gen = handle.options(stream=True).handle.remote(scope, body)
+    if watch is not None and not await watch.wait_assigned(gen):
+        gen.cancel()
+        counted(503)
+        return unavailable(watch.retry_after_s(), "no decoder replica is running right now (one is being started); "
+                           "retry after the time in Retry-After")
     try:
         start = await gen.__anext__()
     except BackPressureError as e:
