@@ -116,7 +116,10 @@ def serve_app(ckpt, s3_server):
 
     from mmspec_ray.batch.cluster import start_local_ray
 
+    from mmspec_ray.serve.__main__ import serve_environment
+
     os.environ["RAY_AUTH_MODE"] = "disabled"
+    serve_environment(os.environ)  # as `python -m mmspec_ray.serve` starts it: the proxy's errors in JSON
     os.environ[KEY_ENV] = KEY  # replicas inherit the driver's environment (read there, never logged)
     metrics_port = free_port()
     start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port)

@@ -318,6 +318,39 @@ def test_requests_sent_while_the_replica_is_replaced_get_a_prompt_503(serve_app)
     assert all(wait < 12 and retry is not None and int(retry) >= 1 for _, wait, retry in refused), seen
 
 
+def test_the_ingress_replica_killed_mid_request_answers_in_the_api_format(serve_app):
+    """The `tight` app's HTTP ingress replica dies while relaying a decode: Ray's proxy gives up on the request,
+    and the client still gets the API's JSON error with Retry-After (not the HTTP server's plain-text 500); the
+    ingress is replaced and the app answers again."""
+    import ray
+
+    name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if "tight#HTTPFront" in a["name"])
+    got: list = []
+
+    def long_request() -> None:
+        r = post(serve_app, "/tight/v1/chat/completions", chat(max_tokens=2000))
+        got.append((r.status, r.headers.get("Retry-After"), r.headers.get("Content-Type"), r.read()))
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    time.sleep(1.0)
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=False)
+    t.join(60)
+    status, retry, ctype, raw = got[0]
+    assert status >= 500 and retry is not None and int(retry) >= 1, (status, raw[:300])
+    assert ctype == "application/json" and json.loads(raw)["error"]["message"], raw[:300]
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        r = post(serve_app, "/tight/v1/chat/completions", chat())
+        r.read()
+        if r.status == 200:
+            break
+        time.sleep(1)
+    else:
+        pytest.fail("the tight app did not answer again after its ingress was replaced")
+
+
 @pytest.mark.parametrize("method,path,status", [
     ("OPTIONS", "/v1/chat/completions", 405), ("TRACE", "/v1/chat/completions", 405),
     ("PUT", "/v1/chat/completions", 405), ("DELETE", "/v1/models", 405), ("OPTIONS", "/", 404),

@@ -4,9 +4,9 @@ settings. (The endpoint itself: test_serve.py, test_serve_limits.py.)"""
 from __future__ import annotations
 
 import asyncio
-
 import base64
 import http.server
+import json
 import threading
 
 import pytest
@@ -333,3 +333,61 @@ def test_replica_watch_answers_no_replica_promptly_and_learns_the_restart_time()
         assert watch.retry_after_s() == 1.0
 
     asyncio.run(scenario())
+
+
+def _run_asgi(app, scope=None) -> list[dict]:
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(app(scope or {"type": "http", "path": "/"}, receive, send))
+    return sent
+
+
+@pytest.mark.parametrize("status,ctype,body,retry", [
+    (500, b"text/plain", b"Internal Server Error", True), (503, b"text/plain; charset=utf-8", b"no replica", True),
+    (404, b"text/plain", b"Path '/x' not found.", False), (400, None, b"bad", False),
+])
+def test_the_proxy_middleware_turns_plain_errors_into_api_errors(status, ctype, body, retry):
+    """What Ray Serve's proxy answers itself (plain text) reaches the client as the API's JSON error, 5xx with
+    Retry-After; JSON errors and successes pass untouched."""
+    from mmspec_ray.serve.proxy_errors import JSONErrors
+
+    async def app(scope, receive, send):
+        headers = [(b"content-type", ctype)] if ctype else []
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body[:3], "more_body": True})
+        await send({"type": "http.response.body", "body": body[3:], "more_body": False})
+
+    start, payload = _run_asgi(JSONErrors(app))
+    headers = dict(start["headers"])
+    assert start["status"] == status and headers[b"content-type"] == b"application/json"
+    err = json.loads(payload["body"])["error"]
+    assert body.decode() in err["message"] and err["code"]
+    assert int(headers[b"content-length"]) == len(payload["body"])
+    assert (b"retry-after" in headers) == retry
+
+
+def test_the_proxy_middleware_answers_when_the_proxy_sent_nothing_and_passes_the_rest():
+    """An ingress that died before answering: the proxy sends nothing (the HTTP server would send a plain-text 500);
+    the middleware sends the API's 500 with Retry-After. A JSON error and a 200 stream pass as they are."""
+    from mmspec_ray.serve.proxy_errors import JSONErrors
+
+    async def silent(scope, receive, send):
+        return None
+
+    start, payload = _run_asgi(JSONErrors(silent))
+    assert start["status"] == 500 and json.loads(payload["body"])["error"]["code"] == "unavailable"
+    assert dict(start["headers"])[b"retry-after"]
+
+    for status, ctype in ((400, b"application/json"), (200, b"text/event-stream")):
+        async def app(scope, receive, send, status=status, ctype=ctype):
+            await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", ctype)]})
+            await send({"type": "http.response.body", "body": b"data", "more_body": False})
+
+        sent = _run_asgi(JSONErrors(app))
+        assert [m.get("status") for m in sent] == [status, None] and sent[1]["body"] == b"data"
