@@ -66,6 +66,13 @@ class MediaLimits(BaseModel):
     max_video_frames: int = 100_000
     max_video_seconds: float = 4 * 3600.0
     max_video_pixels: int = 200_000_000  # pixels of all frames kept from one clip (after scaling): ~600 MB RGB
+    max_aspect_ratio: float = Field(200.0, ge=1.0, description=(
+        "long side / short side of an image or video frame; a more extreme one is refused before it is decoded "
+        "(Qwen2-VL's own processor refuses past 200:1)"))
+    max_processed_pixels: int = Field(25_000_000, ge=1, description=(
+        "pixels of an image or frame once the target's processor has scaled its short side to media.short_side "
+        "(the long side grows with the aspect ratio; ~10 bytes a pixel while processing); refused before "
+        "decoding past it"))
 
 
 def mmspec_home() -> Path:

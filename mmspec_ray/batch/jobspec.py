@@ -48,6 +48,11 @@ class MediaSpec(BaseModel):
         "auto", description="largest side (px) the target's processor uses; images and frames far larger are "
         "scaled down before they travel to the decoder (see media.image.prescale_size). auto: read from the "
         "checkpoint's processor config; null: never scale")
+    short_side: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(
+        "auto", description="short side (px) the target's processor scales every image and frame to before it crops "
+        "(CLIP-style shortest_edge: the long side grows with the aspect ratio); bounds the processed size "
+        "(limits.max_processed_pixels) before decoding. auto: read from the checkpoint's processor config; null: "
+        "the processor bounds its output itself (fixed size, longest edge, pixel count, anyres tiles)")
 
     @model_validator(mode="after")
     def _one_sampling_rule(self) -> "MediaSpec":

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from functools import lru_cache
 from typing import Any
 
 import pyarrow as pa
 
 from mmspec_ray.batch.jobspec import DecodeConfig
+from mmspec_ray.config import S3Config
 from mmspec_ray.media import MediaError, load_image, load_video
 from mmspec_ray.targets.base import Request
 
@@ -126,12 +128,13 @@ def _media(row: Mapping[str, Any], field: str, cfg: DecodeConfig) -> list:
                                "object key (s3://bucket/path/file.png)")
         src = item if by_uri else bytes(item)
         side = cfg.media.image_side if isinstance(cfg.media.image_side, int) else None
+        short = short_side(cfg)
         try:
             if field.startswith("image"):
-                out.append(load_image(src, limits=cfg.media.limits, s3=cfg.s3, max_side=side))
+                out.append(load_image(src, limits=cfg.media.limits, s3=cfg.s3, max_side=side, short_side=short))
             else:
                 clip = load_video(src, num_frames=cfg.media.num_frames, fps=cfg.media.fps,
-                                  limits=cfg.media.limits, s3=cfg.s3, max_side=side)
+                                  limits=cfg.media.limits, s3=cfg.s3, max_side=side, short_side=short)
                 out.append(tuple(clip.frames))
         except MediaError as e:
             raise RowError(where, f"media.{e.kind}", str(e)) from e
@@ -212,16 +215,27 @@ def place_media(messages: list[dict], n_images: int, n_videos: int) -> list[dict
 
 
 def resolve_image_side(cfg: DecodeConfig) -> DecodeConfig:
-    """`cfg` with media.image_side "auto" replaced by the target's processor size, read from the checkpoint's
-    processor configs (local or s3://, a few small JSON files; never the weights); None when they say nothing."""
-    if cfg.media.image_side != "auto":
+    """`cfg` with media.image_side and media.short_side "auto" replaced by the target's processor sizes, read from the
+    checkpoint's processor configs (local or s3://, a few small JSON files; never the weights); None when they say
+    nothing."""
+    media = cfg.media
+    if media.image_side != "auto" and media.short_side != "auto":
         return cfg
-    from mmspec_ray.batch.storage import exists, locate, read_json
-    from mmspec_ray.targets.media_size import PROCESSOR_FILES, max_side_of
+    from mmspec_ray.targets.media_size import max_side_of, short_side_of
 
-    from mmspec_ray.batch.storage import JobInputError
+    configs = processor_configs(cfg.target, cfg.s3)
+    update = {k: f(configs) for k, f in (("image_side", max_side_of), ("short_side", short_side_of))
+              if getattr(media, k) == "auto"}
+    return cfg.model_copy(update={"media": media.model_copy(update=update)})
 
-    root = locate(cfg.target, cfg.s3)
+
+def processor_configs(target: str, s3: S3Config) -> list[dict]:
+    """The target checkpoint's saved processor config dicts (those present). Raises JobInputError when one exists
+    but cannot be read: sizing media must never be turned off silently by a failed read."""
+    from mmspec_ray.batch.storage import JobInputError, exists, locate, read_json
+    from mmspec_ray.targets.media_size import PROCESSOR_FILES
+
+    root = locate(target, s3)
     configs = []
     for name in PROCESSOR_FILES:
         f = root.child(name)
@@ -229,8 +243,22 @@ def resolve_image_side(cfg: DecodeConfig) -> DecodeConfig:
             if not exists(f):
                 continue
             configs.append(read_json(f))
-        except (OSError, ValueError) as e:  # never turn scaling off silently because a read failed
+        except (OSError, ValueError) as e:
             raise JobInputError(f"cannot read {root.child(name).uri} to size media for the target ({e}); set "
-                                "media.image_side explicitly, or re-run when it is readable") from e
-    media = cfg.media.model_copy(update={"image_side": max_side_of(configs)})
-    return cfg.model_copy(update={"media": media})
+                                "media.image_side and media.short_side explicitly, or re-run when it is readable"
+                                ) from e
+    return configs
+
+
+def short_side(cfg: DecodeConfig) -> int | None:
+    """media.short_side of `cfg`; where a caller left it "auto" (the Serve endpoint passes its settings as given),
+    read from the target's processor configs once per process, so the processed-size bound holds there too."""
+    side = cfg.media.short_side
+    return _short_side_of(cfg.target, cfg.s3.model_dump_json()) if side == "auto" else side
+
+
+@lru_cache(maxsize=8)
+def _short_side_of(target: str, s3_json: str) -> int | None:
+    from mmspec_ray.targets.media_size import short_side_of
+
+    return short_side_of(processor_configs(target, S3Config.model_validate_json(s3_json)))

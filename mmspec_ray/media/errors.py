@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 MediaErrorKind = Literal["corrupt", "truncated", "empty", "too_large", "unsupported", "not_found", "io",
-                         "unavailable"]
+                         "unavailable", "aspect_ratio"]
 # Kinds that say nothing about the media itself (the store was unreachable): worth trying again later.
 TRANSIENT_KINDS = ("unavailable",)
 

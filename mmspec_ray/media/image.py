@@ -20,15 +20,15 @@ _IMAGE_MAGIC = (
 
 
 def load_image(source: bytes | str | os.PathLike, limits: MediaLimits | None = None,
-               s3: S3Config | None = None, max_side: int | None = None) -> Image.Image:
+               s3: S3Config | None = None, max_side: int | None = None, short_side: int | None = None) -> Image.Image:
     """Decode `source` (raw bytes, a local path, file:// or s3:// URI). Raises MediaError on any bad input.
-    `max_side`: scale huge images down first (see `prescale_size`)."""
+    `max_side`: scale huge images down first (see `prescale_size`); `short_side`: see `check_shape`."""
     limits = limits or MediaLimits()
     if isinstance(source, os.PathLike):
         source = os.fspath(source)
     label = source if isinstance(source, str) else None
     data = read_bytes(source, limits, s3) if isinstance(source, str) else bytes(source)
-    return decode_image_bytes(data, limits, label, max_side)
+    return decode_image_bytes(data, limits, label, max_side, short_side)
 
 
 def prescale_size(w: int, h: int, side: int | None) -> tuple[int, int] | None:
@@ -43,6 +43,40 @@ def prescale_size(w: int, h: int, side: int | None) -> tuple[int, int] | None:
     return max(side, round(w * s)), max(side, round(h * s))
 
 
+def processed_size(w: int, h: int, short_side: int) -> tuple[int, int]:
+    """The size a shortest-edge processor (CLIP-style) resizes a w x h image to before it crops: the short side
+    becomes `short_side` and the long side grows with the aspect ratio (a 20000 x 1 PNG at 96 px: 1,920,000 x 96)."""
+    if w <= h:
+        return short_side, max(short_side, int(h * short_side / w))
+    return max(short_side, int(w * short_side / h)), short_side
+
+
+def check_shape(w: int, h: int, limits: MediaLimits, short_side: int | None = None, label: str | None = None,
+                what: str = "image") -> None:
+    """Refuse, before any pixel is decoded, an aspect ratio past `limits.max_aspect_ratio` and an image that the
+    target's processor would blow up past `limits.max_processed_pixels` when it scales the short side up to
+    `short_side` (None: the processor does not resize that way): a few bytes of PNG must not cost gigabytes."""
+    if w < 1 or h < 1:
+        return
+    ratio = max(w, h) / min(w, h)
+    if ratio > limits.max_aspect_ratio:
+        raise MediaError("aspect_ratio", f"{w}x{h} {what}: aspect ratio {_ratio(ratio)}:1 > limit "
+                         f"{_ratio(limits.max_aspect_ratio)}:1 (media.limits.max_aspect_ratio); crop or pad it "
+                         "nearer to square", label)
+    if short_side:
+        pw, ph = processed_size(w, h, short_side)
+        if pw * ph > limits.max_processed_pixels:
+            raise MediaError("aspect_ratio", f"{w}x{h} {what}: the target's processor scales its short side to "
+                             f"{short_side} px, making it {pw}x{ph} = {pw * ph} pixels > limit "
+                             f"{limits.max_processed_pixels} (media.limits.max_processed_pixels); crop or pad it "
+                             f"nearer to square (aspect ratio {_ratio(ratio)}:1)", label)
+
+
+def _ratio(r: float) -> str:
+    """An aspect ratio as people write it: 20000, 199, 200.5, 1.8."""
+    return f"{r:.1f}".rstrip("0").rstrip(".")
+
+
 def shrink(img: Image.Image, side: int | None) -> Image.Image:
     """`img` resized to `prescale_size` (bicubic, as CLIP-style processors resize), or `img` itself."""
     size = prescale_size(img.width, img.height, side)
@@ -50,9 +84,10 @@ def shrink(img: Image.Image, side: int | None) -> Image.Image:
 
 
 def decode_image_bytes(data: bytes, limits: MediaLimits | None = None, label: str | None = None,
-                       max_side: int | None = None) -> Image.Image:
+                       max_side: int | None = None, short_side: int | None = None) -> Image.Image:
     """Decode image bytes fully (no lazy loading), so that every error surfaces here; with `max_side`, huge
-    images are scaled down (JPEG already while decoding) before they are kept."""
+    images are scaled down (JPEG already while decoding) before they are kept. The shape is checked from the
+    header, before decoding (`check_shape`)."""
     limits = limits or MediaLimits()
     if not data:
         raise MediaError("empty", "image has 0 bytes", label)
@@ -68,6 +103,7 @@ def decode_image_bytes(data: bytes, limits: MediaLimits | None = None, label: st
             w, h = img.size
             if w * h > limits.max_image_pixels:
                 raise MediaError("too_large", f"{w}x{h} pixels > limit {limits.max_image_pixels}", label)
+            check_shape(w, h, limits, short_side, label)
             small = prescale_size(w, h, max_side)
             if small and img.format == "JPEG":
                 img.draft("RGB", small)  # decode at 1/2, 1/4 or 1/8 scale: never the full-size bitmap

@@ -13,7 +13,7 @@ from PIL import Image
 
 from mmspec_ray.config import MediaLimits, S3Config
 from mmspec_ray.media.errors import MediaError
-from mmspec_ray.media.image import shrink
+from mmspec_ray.media.image import check_shape, shrink
 from mmspec_ray.media.io import read_bytes
 
 _VIDEO_MAGIC_AT0 = (b"\x1a\x45\xdf\xa3", b"RIFF", b"FLV", b"OggS", b"\x00\x00\x01\xba", b"\x00\x00\x01\xb3")
@@ -45,15 +45,18 @@ def load_video(
     limits: MediaLimits | None = None,
     s3: S3Config | None = None,
     max_side: int | None = None,
+    short_side: int | None = None,
 ) -> VideoClip:
     """Decode `source` and sample `num_frames` frames uniformly (default 8), or one frame every 1/`fps` s.
-    `max_side`: scale huge frames down as they are decoded (see `media.image.prescale_size`)."""
+    `max_side`: scale huge frames down as they are decoded (see `media.image.prescale_size`); `short_side`: the
+    frames' shape is checked as an image's (`media.image.check_shape`)."""
     limits = limits or MediaLimits()
     if isinstance(source, os.PathLike):
         source = os.fspath(source)
     label = source if isinstance(source, str) else None
     data = read_bytes(source, limits, s3) if isinstance(source, str) else bytes(source)
-    return decode_video_bytes(data, num_frames=num_frames, fps=fps, limits=limits, label=label, max_side=max_side)
+    return decode_video_bytes(data, num_frames=num_frames, fps=fps, limits=limits, label=label, max_side=max_side,
+                              short_side=short_side)
 
 
 def decode_video_bytes(
@@ -63,9 +66,10 @@ def decode_video_bytes(
     limits: MediaLimits | None = None,
     label: str | None = None,
     max_side: int | None = None,
+    short_side: int | None = None,
 ) -> VideoClip:
     """Decode video bytes, keeping only the sampled frames (memory bounded by them, never by the clip's length).
-    Raises MediaError (empty, too_large, truncated, corrupt, unsupported) on bad input."""
+    Raises MediaError (empty, too_large, aspect_ratio, truncated, corrupt, unsupported) on bad input."""
     limits = limits or MediaLimits()
     if num_frames is not None and fps is not None:
         raise ValueError("give num_frames or fps, not both")
@@ -101,6 +105,7 @@ def decode_video_bytes(
         w, h = (cc.width or 0, cc.height or 0) if cc is not None else (0, 0)
         if w * h > limits.max_image_pixels:  # checked before any frame is decoded at full size
             raise MediaError("too_large", f"{w}x{h} frames > limit {limits.max_image_pixels} pixels", label)
+        check_shape(w, h, limits, short_side, label, "frames")  # from the stream header, before any frame decodes
         if w * h >= THREADED_VIDEO_PIXELS:
             stream.thread_type = "AUTO"
         elif cc is not None:
@@ -113,12 +118,12 @@ def decode_video_bytes(
             declared = count_packets(data)
         try:
             return _sample(container, stream, declared, duration, rate, num_frames, fps, limits, overrun, label,
-                           max_side, exact)
+                           (max_side, short_side), exact)
         except _Recount as rc:  # fewer frames decoded than packets counted: sample again over the real count
             with av.open(io.BytesIO(data), mode="r") as again:
                 s2 = again.streams.video[0]
                 return _sample(again, s2, rc.count, duration, rate, num_frames, fps, limits, overrun, label,
-                               max_side, True)
+                               (max_side, short_side), True)
 
 
 class _Recount(Exception):
@@ -135,10 +140,12 @@ def count_packets(data: bytes) -> int:
         return 0
 
 
-def _sample(container, stream, declared, duration, rate, num_frames, fps, limits, overrun, label, max_side,
+def _sample(container, stream, declared, duration, rate, num_frames, fps, limits, overrun, label, sides,
             exact) -> VideoClip:
     """One decoding pass that keeps only the sampled frames: the indices picked from the frame count (declared by
-    the container, or counted from packets when `exact` is False), or one frame every 1/fps s."""
+    the container, or counted from packets when `exact` is False), or one frame every 1/fps s. `sides`: (max_side,
+    short_side) of the target's processor."""
+    max_side, short_side = sides
     wanted: set[int] | None = None
     if num_frames is not None and declared > 0:
         wanted = set(uniform_indices(declared, num_frames))
@@ -150,6 +157,7 @@ def _sample(container, stream, declared, duration, rate, num_frames, fps, limits
 
     def keep(t: float, frame) -> None:
         nonlocal pixels
+        check_shape(frame.width, frame.height, limits, short_side, label, "frame")  # a stream may change size
         img = shrink(frame.to_image(threads=0 if frame.width * frame.height >= THREADED_VIDEO_PIXELS else 1), max_side)
         pixels += img.width * img.height
         if pixels > limits.max_video_pixels:

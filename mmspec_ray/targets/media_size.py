@@ -26,6 +26,28 @@ def max_side_of(configs: list[dict[str, Any]]) -> int | None:
     return max(sides) if sides else None
 
 
+def short_side_of(configs: list[dict[str, Any]]) -> int | None:
+    """The short side, in pixels, that an image or video processor resizes every input to before it crops (CLIP-style:
+    a `shortest_edge` with no `longest_edge`, or a bare `size`): the long side then grows with the aspect ratio,
+    which is what media.limits.max_processed_pixels bounds. None when no processor resizes that way (a fixed height x
+    width, a longest edge, a pixel count or anyres tiles bound the processed size by themselves)."""
+    sides: list[int] = []
+    for d in configs:
+        for sub in (d, d.get("image_processor"), d.get("video_processor")):
+            if isinstance(sub, dict):
+                sides += _short_side(sub)
+    return max(sides) if sides else None
+
+
+def _short_side(d: dict[str, Any]) -> list[int]:
+    if d.get("image_grid_pinpoints") or isinstance(d.get("max_pixels"), (int, float)):
+        return []
+    v = d.get("size")
+    if isinstance(v, dict) and "longest_edge" not in v and "max_pixels" not in v:
+        v = v.get("shortest_edge")
+    return [int(v)] if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < _PIXELS else []
+
+
 def _sides(d: dict[str, Any]) -> list[int]:
     out: list[int] = []
     for key in ("size", "crop_size", "max_image_size"):
