@@ -62,7 +62,7 @@ def test_serve_refuses_a_ray_open_beyond_loopback_with_auth_off():
 
         pytest.skip("this machine's node address is loopback")
     assert line and line[0].startswith("REFUSED refusing to serve: Ray's token auth is off"), out.stdout + out.stderr
-    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0" in line[0] and "\n" not in line[0]
+    assert "python -m mmspec_ray.serve CONFIG" in line[0] and "\n" not in line[0]
 
 
 def test_the_open_cluster_rule(monkeypatch):

@@ -180,6 +180,10 @@ def test_serve_config_is_valid_for_ray_serve_and_our_builder(overlay):
                 for c in containers(doc):
                     assert any(e["name"] == settings.api_key_env and "secretKeyRef" in e.get("valueFrom", {})
                                for e in c.get("env", [])), c["name"]
+        for c in containers(doc):  # every pod's HTTP proxy answers its own errors in the API's format
+            from mmspec_ray.serve.proxy_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+
+            assert {"name": PROXY_CALLBACK_ENV, "value": PROXY_CALLBACK} in c.get("env", []), c["name"]
 
 
 def test_dockerfile_installs_the_readme_way():

@@ -308,8 +308,8 @@ def refuse_open_cluster(settings: ServeSettings) -> None:
     if where is not None and not settings.allow_unauthenticated_network:
         raise ValueError(
             f"refusing to serve: Ray's token auth is off and this cluster's servers listen on {where}, so anyone "
-            "who reaches it can run code here. On one machine start it on loopback: RAY_AUTH_MODE=disabled "
-            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 serve run CONFIG; on a cluster turn on token auth "
+            "who reaches it can run code here. On one machine start it on loopback: python -m mmspec_ray.serve CONFIG "
+            "(or RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 serve run CONFIG); on a cluster turn on token auth "
             "(RAY_AUTH_MODE=token); or set allow_unauthenticated_network: true in the app's args if a firewall "
             "already guards this network")
 
