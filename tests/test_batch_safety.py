@@ -131,6 +131,19 @@ def test_decode_config_records_every_text_setting():
     assert {"target", "drafter", "dtype", "tie_margin", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
             "seed", "max_new_tokens", "stop", "default_prompt", "media", "tree"} == set(s)
     assert s["media"]["num_frames"] == 4 and "device" not in s and "s3" not in s
+    assert "limits" not in s["media"] and "short_side" not in s["media"]  # they refuse rows, never change text
+
+
+def test_a_resume_may_change_only_the_refusal_bounds(tmp_path):
+    """An output whose marker recorded media size limits (as markers once did) resumes under other limits and
+    a new short side: they decide which rows are refused, not an answer's text. Frames per clip still count."""
+    old = DecodeConfig(target="/m", media={"num_frames": 4}).text_settings()
+    old["media"] |= {"limits": {"max_bytes": 1, "max_image_pixels": 2}, "short_side": 336}
+    claim(loc(tmp_path / "o"), old, "in")
+    new = DecodeConfig(target="/m", media={"num_frames": 4, "limits": {"max_aspect_ratio": 9}}).text_settings()
+    claim(loc(tmp_path / "o"), new, "in")
+    with pytest.raises(JobInputError, match="num_frames"):
+        claim(loc(tmp_path / "o"), DecodeConfig(target="/m", media={"num_frames": 8}).text_settings(), "in")
 
 
 def test_drop_rows_rewrites_parts_and_a_crash_between_leaves_the_newer(tmp_path):

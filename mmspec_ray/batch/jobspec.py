@@ -34,6 +34,11 @@ RETRYABLE_KINDS = tuple(f"media.{k}" for k in TRANSIENT_KINDS)
 ERROR_KINDS = frozenset({"null_field", "missing_field", "invalid", "too_long", "target", "internal", "crash"} |
                         {f"media.{k}" for k in get_args(MediaErrorKind)})
 
+# Media settings that only decide which rows are refused (size and shape bounds), never an answered row's text: a
+# resume may change them (rows they refused are retried with --retry-errors).
+REFUSAL_ONLY_MEDIA = ("limits", "short_side")
+
+
 class MediaSpec(BaseModel):
     """How a row's media becomes model input."""
 
@@ -108,7 +113,7 @@ class DecodeConfig(BaseModel):
         return self.model_dump(mode="json", include={
             "target", "drafter", "dtype", "tree", "tie_margin", "temperature", "top_p", "top_k", "min_p",
             "repetition_penalty", "seed", "max_new_tokens", "stop",
-            "default_prompt", "media"})
+            "default_prompt", "media"}, exclude={"media": set(REFUSAL_ONLY_MEDIA)})
 
     def sampling_for(self, row_id: object) -> SamplingParams:
         """Sampling parameters of one row. The seed depends only on (seed, id), so a retried or resumed row

@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 from pyarrow import fs as pafs
 from ray.data.datasource import FilenameProvider
 
+from mmspec_ray.batch.jobspec import REFUSAL_ONLY_MEDIA
 from mmspec_ray.batch.storage import (SUMMARY_NAME, JobInputError, Location, exists, fingerprint_changes, read_json,
                                       write_json)
 from mmspec_ray.media.io import is_transient
@@ -192,6 +193,9 @@ def settings_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         if greedy and key in GREEDY_FREE:
             continue
         a, b = old.get(key), new.get(key)
+        if key == "media":  # (markers written before the refusal-only bounds were left out still carry them)
+            a, b = ({k: v for k, v in m.items() if k not in REFUSAL_ONLY_MEDIA} if isinstance(m, dict) else m
+                    for m in (a, b))
         if json.dumps(a, sort_keys=True, default=str) != json.dumps(b, sort_keys=True, default=str):
             out.append(f"{key}: {a!r} -> {b!r}")
     return out

@@ -83,6 +83,9 @@ class ChatServer:
         self.model = s.served_name
         self.decoder = SpecDecoder(s.decode)
         self.max_chars = s.limits.prompt_chars(self.decoder.target.max_context)
+        # requests are prepared with the decoder's resolved media settings (the processor's sides read once), so
+        # a photo is scaled down before it is kept and the processed-size bound knows the processor
+        self.request_settings = s.model_copy(update={"decode": self.decoder.config})
         if stop_learning(self.decoder.drafter):  # one user's answers must not shape (nor, by timing, reveal to)
             log.info("drafter learning from decoded answers is off in the endpoint")  # another user's drafts
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmspec-decode")
@@ -203,9 +206,9 @@ class ChatServer:
             raise APIError(400, f"max_tokens {max_tokens} is over this server's limit of "
                            f"{self.settings.limits.max_tokens}", param="max_tokens", code="invalid_value")
         if remote_media(req.messages):  # s3:// or http(s): I/O off the event loop
-            request = await asyncio.to_thread(to_request, req.messages, self.settings, self.max_chars)
+            request = await asyncio.to_thread(to_request, req.messages, self.request_settings, self.max_chars)
         else:  # data: URLs only: a fraction of a millisecond of decoding, not worth a thread hop
-            request = to_request(req.messages, self.settings, self.max_chars)
+            request = to_request(req.messages, self.request_settings, self.max_chars)
         sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                                   repetition_penalty=req.repetition_penalty, seed=req.seed)
         stop = req.stop_strings()
