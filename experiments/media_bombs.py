@@ -1,7 +1,7 @@
 """Peak memory of preparing one request (decoding its image, then the target's processor: everything before the
 model) for hostile image shapes: long thin PNGs of a few hundred bytes that a CLIP-style processor scales up by their
 aspect ratio, one just inside the 200:1 limit, and a photo-size JPEG. Through the Serve endpoint's request path
-(`to_request`, config as given) and a batch row (`prepare_row`, config resolved as a job resolves it), with the
+(`to_request`, with the decoder's resolved config as a replica passes it) and a batch row (`prepare_row`, config resolved as a job resolves it), with the
 default media limits and with the aspect-ratio limits lifted (what a replica did before they existed). Each
 measurement runs in a fresh process: the target is loaded and warmed up on a small image, its peak RSS reset through
 /proc/self/clear_refs, and the growth is the peak (VmHWM) over the RSS before the request.
@@ -50,7 +50,7 @@ def prepare(data, mime):
     if path == "serve":
         url = f"data:{mime};base64," + base64.b64encode(data).decode()
         content = [{"type": "text", "text": "Describe it."}, {"type": "image_url", "image_url": {"url": url}}]
-        return to_request([{"role": "user", "content": content}], ServeSettings(decode=cfg))
+        return to_request([{"role": "user", "content": content}], ServeSettings(decode=resolve_image_side(cfg)))
     return prepare_row({"id": "r", "prompt": "Describe it.", "image": data}, resolve_image_side(cfg))
 
 small = open(sys.argv[6], "rb").read()
@@ -150,10 +150,9 @@ def doc(tab: str, command: str, target: str, seconds: float) -> str:
 
 Peak RSS growth of preparing one request (decoding its image, then the target's processor: everything a replica or a
 decoder actor does before the model) on an untrained toy-s-shaped LLaVA, whose CLIP-style processor scales the short
-side to 96 px and then crops. `serve`: the endpoint's request path (`to_request`, with the config as the endpoint
-passes it: `media.image_side` left `auto`, so a large image is decoded full size and only the processor shrinks it);
-`batch`: a batch row (`prepare_row`, `media.image_side` resolved as a job resolves it, so a large image is scaled down
-first, a JPEG already while decoding).
+side to 96 px and then crops. `serve`: the endpoint's request path (`to_request` from a data: URL, with the
+decoder's resolved media settings as a replica passes them); `batch`: a batch row (`prepare_row`, settings resolved
+as a job resolves them). Both scale a large image down before keeping it, a JPEG already while decoding.
 "Limits lifted": `max_aspect_ratio` and `max_processed_pixels` set out of reach, what a replica did before they
 existed. Each cell is a fresh process, after a warm-up request with a 96 px image; one torch thread; shared 2-core
 CPU, so the times are rough.
