@@ -8,20 +8,21 @@ per-cycle scratch KV, and each child is fed its parent's draft output as its fea
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from pydantic import BaseModel
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from mmspec_ray.drafters.base import check_device, register_drafter
+from mmspec_ray.drafters.files import DrafterError, TargetMismatch, parse_config, read_config, read_state
 from mmspec_ray.drafters.layers import DecoderLayer, extend_mask
 from mmspec_ray.decoding.tree import DraftTree, TreeConfig, TreeSteps, grow_dynamic_tree
 
 if TYPE_CHECKING:
+    from mmspec_ray.drafters.facts import TargetFacts
     from mmspec_ray.targets.base import TargetOutput, VLMTarget
 
 
@@ -100,28 +101,47 @@ class Eagle2Head(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path) -> "Eagle2Head":
+        """The head saved at `path`; a missing, unreadable or mismatched file refused in one line naming it."""
         path = Path(path)
-        cfg = cls.config_class(**json.loads((path / "config.json").read_text()))
-        head = cls(cfg)
-        weights = path / "model.safetensors"
-        if not weights.exists():
-            raise ValueError(f"drafter checkpoint {path} has no model.safetensors")
-        head.load_state_dict(load_file(str(weights)))
+        head = cls(parse_config(cls.config_class, path, read_config(path)))
+        if not (path / "model.safetensors").exists():
+            raise DrafterError(f"drafter {path} has no model.safetensors: copy it next to its config.json, or "
+                               "train the drafter again")
+        state = read_state(path, "model.safetensors")
+        problem = state_problem(head, {k: tuple(v.shape) for k, v in state.items()})
+        if problem:
+            raise DrafterError(f"drafter {path}: model.safetensors {problem}")
+        head.load_state_dict(state)
         return head
 
 
-def check_fits(cfg: Eagle2Config, target: "VLMTarget") -> None:
-    """A drafter trained for another target cannot run on `target`: another hidden size or vocabulary, or (when
-    both are known) another checkpoint identity. Say so with both sides, and what to do."""
+def state_problem(head: nn.Module, shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """How a saved state's keys and shapes differ from `head`'s (None: they agree), and what to do, in one line."""
+    own = {k: tuple(v.shape) for k, v in head.state_dict().items()}
+    missing, extra = sorted(set(own) - set(shapes)), sorted(set(shapes) - set(own))
+    bad = [f"{k} {list(shapes[k])} vs {list(own[k])}" for k in own if k in shapes and shapes[k] != own[k]]
+    if not (missing or extra or bad):
+        return None
+    parts = [f"lacks {missing}"] if missing else []
+    parts += [f"has weights {extra} its config does not"] if extra else []
+    parts += [f"shapes differ: {'; '.join(bad)}"] if bad else []
+    return ", ".join(parts) + " (weights and config.json of different drafters?): save the drafter again"
+
+
+def check_fits(cfg: Eagle2Config, target: "VLMTarget | TargetFacts", path: str | Path | None = None) -> None:
+    """A drafter trained for another target cannot run on `target` (a loaded target, or its facts read from the
+    checkpoint's config): another hidden size or vocabulary, or (when both are known) another checkpoint identity.
+    Say so with both sides, and what to do."""
     shapes = cfg.hidden_size != target.hidden_size or (cfg.target_vocab_size and
                                                        cfg.target_vocab_size != target.vocab_size)
     other = bool(cfg.target_id) and target.identity is not None and cfg.target_id != target.identity
     if shapes or other:
+        model_type = getattr(target, "model_type", None) or target.config.model_type
         ids = f"checkpoint {cfg.target_id or 'unknown'} vs this target's {target.identity or 'unknown'}; "
-        raise ValueError(
-            f"drafter was trained for another target: {ids}hidden size / vocab {cfg.hidden_size} / "
-            f"{cfg.target_vocab_size} ({cfg.target_model_type}) vs {target.hidden_size} / {target.vocab_size} "
-            f"({target.config.model_type}); train a drafter for this target with `mmspec train-drafter`")
+        raise TargetMismatch(
+            f"drafter{f' {path}' if path else ''} was trained for another target: {ids}hidden size / vocab "
+            f"{cfg.hidden_size} / {cfg.target_vocab_size} ({cfg.target_model_type}) vs {target.hidden_size} / "
+            f"{target.vocab_size} ({model_type}); train a drafter for this target with `mmspec train-drafter`")
 
 
 @register_drafter("eagle2")
@@ -146,7 +166,7 @@ class Eagle2Drafter:
     def load(cls, path: str | Path, target: "VLMTarget", device: str | None = None) -> "Eagle2Drafter":
         """Check the saved config against `target` (and `device` against the target's) before reading weights."""
         check_device(device, target)
-        check_fits(cls.head_class.config_class(**json.loads((Path(path) / "config.json").read_text())), target)
+        check_fits(parse_config(cls.head_class.config_class, Path(path), read_config(Path(path))), target, path)
         return cls(cls.head_class.load(path), target)
 
     @classmethod
