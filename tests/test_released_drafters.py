@@ -28,6 +28,7 @@ from test_accept import chi2_critical, chi2_stat
 from test_engine import target_three_token_distribution
 from tiny import random_images, tiny_llava
 from tiny_qwen2_5_vl import tiny_qwen2_5_vl
+from tiny_qwen2_vl import tiny_qwen2_vl
 
 TREE = TreeConfig(top_k=3, depth=3, total_tokens=12)
 
@@ -598,8 +599,21 @@ def test_dream_first_draft_matches_a_reference_forward_of_the_authors_wiring(tar
     assert torch.allclose(got, want, rtol=1e-4, atol=2e-4), (got - want).abs().max()
 
 
-@pytest.mark.parametrize("layout", ["msd-llava", "msd-qwen2_vl", "hivis", "vispec", "dream"])
-def test_vision_drafters_in_their_authors_layouts_decode_losslessly(target, layout, tmp_path):
+@pytest.fixture(scope="module")
+def msd_targets() -> dict:
+    """The families MSD heads are published for: LLaVA-1.5 (`model_type` llava) and Qwen2-VL (qwen2_vl)."""
+    torch.manual_seed(0)
+    return {"llava": wrap(*tiny_llava()), "qwen2_vl": wrap(*tiny_qwen2_vl())}
+
+
+def msd_target(target, msd_targets: dict):
+    """(the MSD style for the fixture's family, the target of that style: Qwen2-VL's for a Qwen2.5-VL fixture)."""
+    style = "llava" if target.config.model_type == "llava" else "qwen2_vl"
+    return style, msd_targets[style]
+
+
+@pytest.mark.parametrize("layout", ["msd", "hivis", "vispec", "dream"])
+def test_vision_drafters_in_their_authors_layouts_decode_losslessly(target, msd_targets, layout, tmp_path):
     path = tmp_path / layout
     if layout == "hivis":
         write_hivis(path, target)
@@ -608,8 +622,9 @@ def test_vision_drafters_in_their_authors_layouts_decode_losslessly(target, layo
     elif layout == "dream":
         write_dream(path, target)
     else:
-        write_msd(path, target, layout.split("-")[1])
-    assert recognise(path).layout == f"{layout.split('-')[0]}-authors"
+        style, target = msd_target(target, msd_targets)
+        write_msd(path, target, style)
+    assert recognise(path).layout == f"{layout}-authors"
     drafter = load_drafter(str(path), target)
     for req in (image_request(), Request(prompt="what is there")):
         inputs = target.encode(req)
@@ -620,11 +635,11 @@ def test_vision_drafters_in_their_authors_layouts_decode_losslessly(target, layo
         assert g.stats.draft_passes > 0
 
 
-def test_msd_first_draft_matches_a_reference_forward_of_the_authors_wiring(target, tmp_path):
+def test_msd_first_draft_matches_a_reference_forward_of_the_authors_wiring(target, msd_targets, tmp_path):
     """Entry j: if token j+1 is a media token, the raw projected embedding (no fc, no normalisation), else
     fc([embedding of token j+1; last post-norm hidden j]); layer 0 (Qwen2-VL style: input norm, q/k/v biases),
     RoPE at rope_theta over 1-D positions; the target's LM head."""
-    style = "qwen2_vl" if target.config.model_type == "qwen2_5_vl" else "llava"
+    style, target = msd_target(target, msd_targets)
     s = write_msd(tmp_path / "h", target, style, seed=9)
     drafter = load_drafter(str(tmp_path / "h"), target)
     dm = dims(target)

@@ -85,7 +85,7 @@ MODULES: dict[str, str] = {
     "oracle": "mmspec_ray.drafters.oracle",
 }
 _REGISTRY: dict[str, type] = {}
-RELEASED_MODULE = "mmspec_ray.drafters.released"  # heads in their authors' layouts (EAGLE-1/2/3, SpecForge)
+RELEASED_MODULE = "mmspec_ray.drafters.released_load"  # heads in their authors' layouts (EAGLE-1/2/3, SpecForge)
 
 
 def register_drafter(name: str):
@@ -172,9 +172,9 @@ def load_drafter(spec: str | None, target: "VLMTarget", device: str | None = Non
         raise ValueError(f"drafter {spec!r} is neither a method name (none, ngram), a draft model "
                          "(draft-model:PATH) nor a drafter checkpoint directory with config.json; train one with "
                          "`mmspec train-drafter`")
-    import json
+    from mmspec_ray.drafters.files import read_config
 
-    method = json.loads((path / "config.json").read_text()).get("method")
+    method = read_config(path).get("method")
     if not method:  # a head as its authors published it (EAGLE-1/2/3, SpecForge): recognised by its files
         import importlib
 
