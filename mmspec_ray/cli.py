@@ -109,6 +109,23 @@ def fixed_tree(a: argparse.Namespace):
     return checked(TreeConfig, TREE_FLAGS, **given) if given else None
 
 
+def check_drafter_first(spec: str | None, target: Path) -> None:
+    """A drafter directory that cannot run on `target`, refused from the files and the target's config before the
+    (minutes-long) target load; a target whose tensor table cannot be read is left to its own load to refuse."""
+    from mmspec_ray.drafters.facts import facts_from_layout
+    from mmspec_ray.drafters.preflight import check_drafter, needs_check
+    from mmspec_ray.targets.layout import read_layout
+    from mmspec_ray.targets.request import TargetError
+
+    if not needs_check(spec):
+        return
+    try:
+        layout = read_layout(str(target))
+    except (TargetError, OSError, ValueError, KeyError):  # e.g. .bin weights: load_target says what is wrong
+        return
+    check_drafter(spec, facts_from_layout(layout))
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
     from mmspec_ray.config import SamplingParams
     from mmspec_ray.drafters.base import load_drafter
@@ -128,8 +145,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
     sampling = checked(SamplingParams, SAMPLING_FLAGS, **{k: getattr(a, k) for k in SAMPLING_FLAGS})
     tree = fixed_tree(a)
     path = fetch_checkpoint(resolve_target(a.target))  # s3:// (S3Config.from_env) -> its local cache directory
-    target = load_target(path, dtype=a.dtype)
     drafter_spec = resolve_drafter(a.drafter, a.target)
+    check_drafter_first(drafter_spec, path)
+    target = load_target(path, dtype=a.dtype)
     drafter = load_drafter(drafter_spec, target)
     guard = tree is None  # the calibrated tree comes with the payoff guard; a tree given by flags is used as given
     if tree is None:  # no tree flag: the tree calibrated for this target, drafter and machine
@@ -228,7 +246,11 @@ def bench_config(a: argparse.Namespace):
 
 
 def cmd_drafter_inspect(a: argparse.Namespace) -> int:
-    """Print what a drafter directory is and, with --target, whether it fits that target (the refusal, if not)."""
+    """Print what a drafter directory is and, with --target, whether it fits that target. Exit 1 with one line
+    when the drafter is refused: `refused: ...` (its files, config or weights) or `fits TARGET: no: ...`."""
+    from mmspec_ray.drafters.facts import facts_of
+    from mmspec_ray.drafters.files import DrafterError, TargetMismatch
+    from mmspec_ray.drafters.preflight import check_dir
     from mmspec_ray.drafters.released import recognise
 
     path = a.path
@@ -237,17 +259,28 @@ def cmd_drafter_inspect(a: argparse.Namespace) -> int:
         from mmspec_ray.targets.registry import fetch_checkpoint
 
         path = str(fetch_checkpoint(path, check=check_drafter_files, refresh=True))
-    info = recognise(path)
+    target = None
+    try:
+        info = recognise(path)  # the files themselves, before a target loads
+        if a.target:
+            from mmspec_ray.targets import load_target
+            from mmspec_ray.targets.registry import fetch_checkpoint
+            from mmspec_ray.toy.resolve import resolve_target
+
+            target = load_target(fetch_checkpoint(resolve_target(a.target)))
+        check_dir(Path(path), facts_of(target) if target is not None else None)
+    except TargetMismatch as e:
+        print("\n".join(f"{k}: {v}" for k, v in info.describe().items()))
+        print(f"fits {a.target}: no: {e}")
+        return 1
+    except DrafterError as e:
+        print(f"refused: {e}")
+        return 1
     for k, v in info.describe().items():
         print(f"{k}: {v}")
-    if a.target:
+    if target is not None:
         from mmspec_ray.drafters.base import load_drafter
 
-        from mmspec_ray.targets import load_target
-        from mmspec_ray.targets.registry import fetch_checkpoint
-        from mmspec_ray.toy.resolve import resolve_target
-
-        target = load_target(fetch_checkpoint(resolve_target(a.target)))
         try:
             load_drafter(path, target)
         except ValueError as e:

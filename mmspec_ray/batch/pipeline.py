@@ -26,7 +26,7 @@ from mmspec_ray.batch.cluster import check_gpus, connect_ray, plan_actor_cpus, r
 from mmspec_ray.batch.decoder import SpecDecoder
 from mmspec_ray.batch.output import Claim, OutputState, PartNames, claim, drop_rows, new_run_token, record_run
 from mmspec_ray.batch.output import scan as scan_output
-from mmspec_ray.batch.plan import check_gpu, format_plan, make_plan, probe_gpu, resolve_gpus
+from mmspec_ray.batch.plan import check_drafter, check_gpu, format_plan, make_plan, probe_gpu, resolve_gpus
 from mmspec_ray.batch.progress import ProgressPrinter, ProgressTracker
 from mmspec_ray.batch.jobspec import RETRYABLE_KINDS, DecodeConfig, JobSpec
 from mmspec_ray.batch.rows import (IMAGE_FIELDS, INTERNAL_COLUMNS, OUTPUT_COLUMNS, VIDEO_FIELDS, prepare_row,
@@ -62,15 +62,16 @@ def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = Sp
     n_input = len(ids)
     if spec.limit is not None:
         ids = ids.slice(0, spec.limit)
-    connect_ray()  # resources follow the cluster: GPUs per actor, and the dtype that follows the device
-    gpus = resolve_gpus(spec)
-    spec = spec.model_copy(update={"gpus_per_actor": gpus})
     if spec.decode.drafter == "auto":  # callers that did not choose it (the job scripts do, before planning)
         from mmspec_ray.toy.drafter import choose_drafter
 
         choice = choose_drafter("auto", spec.decode.target, spec.decode.drafter_dirs, spec.input, spec.decode.s3)
         spec = spec.model_copy(update={"decode": spec.decode.model_copy(update={"drafter": choice.spec})})
         drafter_why = choice.why
+    check_drafter(spec.decode)  # on this driver, before Ray starts or anything is written
+    connect_ray()  # resources follow the cluster: GPUs per actor, and the dtype that follows the device
+    gpus = resolve_gpus(spec)
+    spec = spec.model_copy(update={"gpus_per_actor": gpus})
     check_gpus(spec)
     probe = probe_gpu(gpus) if gpus > 0 else None
     check_gpu(gpus, probe)

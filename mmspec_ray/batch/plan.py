@@ -72,6 +72,24 @@ def check_gpu(gpus: float, probe: dict[str, Any] | None) -> None:
             "bash scripts/bootstrap.sh; docs/getting-started.md), or decode on CPU with --gpus-per-actor 0")
 
 
+def check_drafter(cfg: DecodeConfig) -> None:
+    """A drafter directory that cannot run on the target (unreadable files, a config or weights it was not saved
+    with, another target's sizes or family), refused in one line from its files and the target's config alone."""
+    from mmspec_ray.drafters.facts import facts_from_layout
+    from mmspec_ray.drafters.preflight import check_drafter as check, needs_check
+
+    if not needs_check(cfg.drafter):
+        return
+    try:
+        layout = check_loadable(cfg.target, cfg.s3)
+    except (TargetError, OSError, ValueError, KeyError) as e:
+        raise JobInputError(f"target: {e}") from e
+    try:
+        check(cfg.drafter, facts_from_layout(layout, cfg.s3), cfg.s3)
+    except (ValueError, TargetError, OSError) as e:  # DrafterError is a ValueError
+        raise JobInputError(str(e)) from e
+
+
 def memory_need(layout: CheckpointLayout, dtype: str, max_new_tokens: int) -> dict[str, float]:
     """GiB a decoder needs: weights in `dtype`, KV at PROMPT_ALLOWANCE + max_new_tokens tokens, and the total with
     HEADROOM."""
