@@ -303,3 +303,18 @@ def test_a_checkpoints_facts_from_its_config_are_the_loaded_targets(family, tmp_
         loaded = facts_of(wrap(model, processor))
     assert astuple(read)[1:7] == astuple(loaded)[1:7]
     assert bool(read.mrope_section) == (family == "qwen2_5_vl")
+
+
+def test_serve_refuses_a_drafter_before_any_replica(llava, ckpt, tmp_path, monkeypatch):
+    """The endpoint's app builder checks a drafter given by path as a batch job's driver does: one line naming the
+    drafter, before any replica is asked for."""
+    from mmspec_ray.batch.storage import JobInputError
+    from mmspec_ray.serve import app as serve_app
+
+    monkeypatch.setattr(serve_app, "refuse_open_cluster", lambda settings: None)
+    monkeypatch.setattr(serve_app.ChatServer, "options", lambda **kw: pytest.fail("a replica was asked for"))
+    for case, (path, named) in job_heads(llava, tmp_path / "heads").items():
+        with pytest.raises(JobInputError) as e:
+            serve_app.build_app({"decode": {"target": ckpt, "drafter": str(path), "device": "cpu"}})
+        assert str(e.value).startswith(f"drafter {path}") and all(n in str(e.value) for n in named), (case, e.value)
+        assert "\n" not in str(e.value)

@@ -27,7 +27,7 @@ from ray import serve
 from ray.serve import Application
 
 from mmspec_ray.batch.cluster import loopback_only, open_without_auth, serve_replica_on_loopback
-from mmspec_ray.batch.plan import auto_gpus
+from mmspec_ray.batch.plan import auto_gpus, check_drafter
 from mmspec_ray.batch.decoder import SpecDecoder
 from mmspec_ray.config import SamplingParams
 from mmspec_ray.drafters.base import stop_learning
@@ -367,6 +367,7 @@ def build_app(args: dict[str, Any]) -> Application:
         actor["num_gpus"] = auto_gpus(settings.gpus_per_replica, decode.device)
         options = {**options, "ray_actor_options": actor}
     decode, why = serve_drafter(decode)
+    check_drafter(decode)  # a drafter that cannot run on the target: one line here, not a traceback per replica
     print(serve_plan(settings, decode, float(actor.get("num_gpus") or 0.0), why), flush=True)
     if decode.torch_threads is None:  # torch threads follow the replica's CPUs
         cpus = (options.get("ray_actor_options") or {}).get("num_cpus") or 1
