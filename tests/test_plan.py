@@ -152,6 +152,49 @@ def test_auto_finds_the_drafter_trained_for_the_checkpoint_and_prefers_the_faste
     assert choose_drafter("ngram", ckpt).spec == "ngram"  # anything but auto passes through
 
 
+def test_auto_skips_drafters_that_would_not_load_and_says_which(ckpt, tmp_path, monkeypatch):
+    """An interrupted copy (config.json and history.json with a better τ, no weights) and a config.json that is not
+    JSON never win: auto takes the loadable drafter and names each folder it skipped and why, also on S3."""
+    monkeypatch.setenv("MMSPEC_HOME", str(tmp_path / "home"))
+    target = load_target(ckpt)
+    home = tmp_path / "home" / "drafters"
+    good = _saved_drafter(target, home / "good", 0.5)
+    partial = Path(_saved_drafter(target, home / "partial", 0.9))
+    (partial / "model.safetensors").unlink()
+    empty = Path(_saved_drafter(target, home / "empty", 1.5))
+    (empty / "model.safetensors").write_bytes(b"")
+    broken = home / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    (home / "a-checkpoint").mkdir()  # some other model's folder: not a drafter, not reported
+    (home / "a-checkpoint" / "config.json").write_text(json.dumps({"model_type": "llava"}))
+    choice = choose_drafter("auto", ckpt)
+    assert choice.spec == good and "held-out τ 0.50" in choice.why, choice.why
+    assert "skipped 3 that would not load" in choice.why and "a-checkpoint" not in choice.why
+    assert f"{partial} (no weights" in choice.why and f"{empty} (no weights" in choice.why
+    assert f"{broken} (config.json is not JSON" in choice.why
+    shutil.rmtree(home / "good")
+    choice = choose_drafter("auto", ckpt)
+    assert choice.spec == "ngram" and "skipped 3" in choice.why
+
+
+def test_a_drafter_dir_that_does_not_exist_is_refused_in_one_line(ckpt, tmp_path, capsys, monkeypatch):
+    """A misspelt --drafter-dir is a job-level mistake (exit 2, one line), not "no drafter among 0"."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from mmspec_ray.batch.cli import main as job_main
+
+    monkeypatch.setenv("MMSPEC_HOME", str(tmp_path / "home"))
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": ["a"], "prompt": ["p"], "image_uri": ["x.png"]}), src)
+    rc = job_main(["--input", str(src), "--output", str(tmp_path / "out"), "--target", ckpt,
+                   "--drafter-dir", str(tmp_path / "no-such-dir"), "--dry-run"], "instruct")
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err == f"error: --drafter-dir {tmp_path / 'no-such-dir'} does not exist; give a folder " \
+        "holding trained drafters (or one drafter), or leave the flag out to look only in $MMSPEC_HOME/drafters"
+
+
 def test_identity_is_the_same_wherever_the_checkpoint_is_copied_and_differs_for_other_weights(ckpt, tmp_path,
                                                                                            s3_server):
     import torch
@@ -206,6 +249,12 @@ def test_auto_finds_a_drafter_in_an_s3_drafter_dir(ckpt, tmp_path, s3_server, mo
         s3_server.client.upload_file(str(f), bucket, f"team/llava-eagle2/{f.name}")
     choice = choose_drafter("auto", ckpt, (f"s3://{bucket}/team/",), s3=s3_server.s3_config)
     assert choice.spec == f"s3://{bucket}/team/llava-eagle2" and "held-out τ 1.10" in choice.why
+    for name in ("config.json", "history.json"):  # an interrupted upload with a better τ: skipped, named
+        s3_server.client.put_object(Bucket=bucket, Key=f"team/partial/{name}", Body=(local / name).read_bytes()
+                                    .replace(b"1.1", b"2.5"))
+    choice = choose_drafter("auto", ckpt, (f"s3://{bucket}/team/",), s3=s3_server.s3_config)
+    assert choice.spec == f"s3://{bucket}/team/llava-eagle2", choice.why
+    assert f"s3://{bucket}/team/partial (no weights" in choice.why
 
 
 def test_a_checkpoint_without_safetensors_has_no_identity_and_still_loads_drafters(ckpt, tmp_path):

@@ -142,6 +142,21 @@ def frames_default(target: str) -> int | None:
     return video_frames_for(target)
 
 
+def check_drafter_dirs(dirs: tuple[str, ...], s3: S3Config) -> None:
+    """Every `--drafter-dir` must exist: a misspelt one would otherwise read as "no drafter found" and decode
+    plainly."""
+    from mmspec_ray.batch.storage import JobInputError, exists, locate
+
+    for d in dirs:
+        try:
+            found = exists(locate(d, s3))
+        except OSError as e:
+            raise JobInputError(f"--drafter-dir {d}: cannot be read ({e}); check the path and the S3 settings") from e
+        if not found:
+            raise JobInputError(f"--drafter-dir {d} does not exist; give a folder holding trained drafters (or one "
+                                "drafter), or leave the flag out to look only in $MMSPEC_HOME/drafters")
+
+
 def plan(job: str, a: argparse.Namespace) -> tuple[JobSpec, pa.Table | None, str | None]:
     """The JobSpec, for CSV or toy-world inputs the rows built in memory, and why its drafter was chosen."""
     from mmspec_ray.batch.sources import kinetics_rows, toy_rows
@@ -160,6 +175,7 @@ def plan(job: str, a: argparse.Namespace) -> tuple[JobSpec, pa.Table | None, str
         from mmspec_ray.toy.drafter import choose_drafter
 
         s3 = S3Config.model_validate(dec["s3"]) if "s3" in dec else None
+        check_drafter_dirs(tuple(dec.get("drafter_dirs") or ()), s3 or S3Config.from_env())
         choice = choose_drafter("auto", dec["target"], tuple(dec.get("drafter_dirs") or ()), data.get("input"), s3)
         dec["drafter"], why = choice.spec, choice.why
     media = dec.setdefault("media", {})

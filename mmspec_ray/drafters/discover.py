@@ -24,6 +24,15 @@ class FoundDrafter:
 
 
 @dataclass(frozen=True)
+class Skipped:
+    path: str  # a folder that looks like a drafter but would not load
+    why: str  # what is wrong with it, in a few words
+
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # a trained drafter's; a released head's
+
+
+@dataclass(frozen=True)
 class DrafterChoice:
     spec: str  # what `load_drafter` takes: a method name or a drafter directory / s3:// prefix
     why: str  # one line for the plan and the logs
@@ -45,9 +54,11 @@ def _tau(history: object) -> float | None:
     return float(value) if isinstance(value, (int, float)) and value == value else None
 
 
-def scan(folder: str, s3: S3Config | None = None) -> list[FoundDrafter]:
+def scan(folder: str, s3: S3Config | None = None) -> tuple[list[FoundDrafter], list[Skipped]]:
     """The drafters in `folder` (each a sub-folder with config.json naming its method), or `folder` itself when it is
-    one. A folder that does not exist holds none."""
+    one, and the folders that look like drafters but would not load: a config.json that is not a drafter's, or no
+    weights (what an interrupted copy leaves). Cheap checks only (two small files and a listing). A folder that
+    does not exist holds none."""
     from pyarrow import fs
 
     from mmspec_ray.media.io import filesystem_for
@@ -59,31 +70,58 @@ def scan(folder: str, s3: S3Config | None = None) -> list[FoundDrafter]:
         log.warning("cannot list drafter folder %s: %s", folder, e)
         return []
     dirs = [root] + sorted(i.path for i in infos if i.type == fs.FileType.Directory)
-    found = []
+    found, skipped = [], []
     for d in dirs:
+        path = f"s3://{d}" if folder.startswith("s3://") else d
         try:
             with filesystem.open_input_stream(f"{d}/config.json") as f:
-                cfg = json.loads(f.read())
-        except (OSError, ValueError):
+                raw = f.read()
+        except OSError:
+            continue  # not a drafter folder
+        try:
+            cfg = json.loads(raw)
+        except ValueError as e:
+            skipped.append(Skipped(path, f"config.json is not JSON ({e})"))
             continue
-        if not isinstance(cfg, dict) or not cfg.get("method"):
+        if not isinstance(cfg, dict) or not isinstance(cfg.get("method"), str) or not cfg["method"]:
+            if isinstance(cfg, dict) and ("target_id" in cfg or "heldout_tau" in cfg):
+                skipped.append(Skipped(path, "config.json names no method"))
+            continue  # another model's config.json (a checkpoint folder, a released head)
+        weights = [w for w in WEIGHT_FILES if _size(filesystem, f"{d}/{w}") > 0]
+        if not weights:
+            skipped.append(Skipped(path, f"no weights ({' or '.join(WEIGHT_FILES)} missing or empty: an interrupted "
+                                   "copy?)"))
             continue
         try:
             with filesystem.open_input_stream(f"{d}/history.json") as f:
                 tau = _tau(json.loads(f.read()))
         except (OSError, ValueError):
             tau = None
-        path = f"s3://{d}" if folder.startswith("s3://") else d
         found.append(FoundDrafter(path, str(cfg["method"]), str(cfg.get("target_id") or ""), tau))
-    return found
+    return found, skipped
 
 
-def choose_for(target_id: str, folders: list[str], s3: S3Config | None = None) -> tuple[FoundDrafter | None, int]:
-    """(the drafter trained for `target_id` with the highest recorded held-out τ, or None; drafters looked at)."""
-    seen = [d for folder in folders for d in scan(folder, s3)]
+def _size(filesystem, path: str) -> int:
+    """Bytes of a file, 0 when it is absent or not a file."""
+    from pyarrow import fs
+
+    info = filesystem.get_file_info(path)
+    return int(info.size or 0) if info.type == fs.FileType.File else 0
+
+
+def choose_for(target_id: str, folders: list[str], s3: S3Config | None = None) \
+        -> tuple[FoundDrafter | None, int, list[Skipped]]:
+    """(the loadable drafter trained for `target_id` with the highest recorded held-out τ, or None; drafters looked
+    at; folders skipped as drafters that would not load)."""
+    seen: list[FoundDrafter] = []
+    skipped: list[Skipped] = []
+    for folder in folders:
+        found, bad = scan(folder, s3)
+        seen += found
+        skipped += bad
     mine = [d for d in seen if d.target_id == target_id]
     best = max(mine, key=lambda d: (d.heldout_tau is not None, d.heldout_tau or 0.0), default=None)
-    return best, len(seen)
+    return best, len(seen), skipped
 
 
 def train_command(target: str, data: str | None, method: str = "eagle2") -> str:

@@ -208,14 +208,18 @@ def choose_drafter(drafter: str | None, target: str, folders: tuple[str, ...] = 
     except (TargetError, OSError, ValueError) as e:
         return DrafterChoice("ngram", f"auto: ngram (prompt lookup, about AR speed): the checkpoint's identity "
                              f"could not be read ({e}), so no trained drafter can be matched to it")
-    best, seen = choose_for(identity, search, s3)
+    best, seen, skipped = choose_for(identity, search, s3)
+    for s in skipped:
+        log.warning("drafter auto: skipped %s: %s", s.path, s.why)
+    passed = "" if not skipped else f"; skipped {len(skipped)} that would not load: " + "; ".join(
+        f"{s.path} ({s.why})" for s in skipped[:3]) + (" ..." if len(skipped) > 3 else "")
     if best is not None:
         tau = "no recorded held-out τ" if best.heldout_tau is None else f"held-out τ {best.heldout_tau:.2f}"
         return DrafterChoice(best.path, f"auto: {best.method} trained for this checkpoint ({identity}), the best of "
-                             f"the drafters found for it by {tau}")
+                             f"the drafters found for it by {tau}{passed}")
     return DrafterChoice("ngram", f"auto: ngram (prompt lookup, about AR speed): no drafter trained for this "
-                         f"checkpoint ({identity}) among {seen} in {', '.join(search)}; train one on this data with: "
-                         f"{train_command(target, data)}")
+                         f"checkpoint ({identity}) among {seen} in {', '.join(search)}{passed}; train one on this "
+                         f"data with: {train_command(target, data)}")
 
 
 def resolve_auto_drafter(drafter: str | None, target: str, folders: tuple[str, ...] = (),
