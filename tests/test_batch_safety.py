@@ -595,3 +595,40 @@ def test_redecode_changed_takes_out_the_changed_files_rows_only_whatever_the_lim
     assert _drop_changed(loc(out), state, claimed, per_file, files, loc(src)) == 3
     state, _ = scan(loc(out), claimed.record)
     assert sorted(state.ids.to_pylist()) == ["a1", "a2"]  # a2 kept though a --limit 1 run would not decode it
+
+
+def _job_input(tmp_path: Path, table: pa.Table) -> Path:
+    src = tmp_path / "in.parquet"
+    pq.write_table(table, src)
+    return src
+
+
+@pytest.mark.parametrize("case", ["duplicate columns", "GPUs on a machine without"])
+def test_job_level_mistakes_are_one_line_before_ray_starts(ckpt, tmp_path, capsys, monkeypatch, case):
+    """Refused in one line with exit 2, before Ray starts and before anything is written, the run and its dry run
+    alike: duplicate column names (Ray's table would fail on them mid-job), GPUs per actor on a machine with none."""
+    import ray
+
+    from mmspec_ray.batch.cli import main as job_main
+
+    monkeypatch.setenv("MMSPEC_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    args, named = [], ""
+    if case == "duplicate columns":
+        table = pa.Table.from_arrays([pa.array(["a"]), pa.array(["p"]), pa.array(["q"]), pa.array(["x.png"])],
+                                     names=["id", "prompt", "prompt", "image_uri"])
+        named = "duplicate column name(s) ['prompt']"
+    else:
+        table = pa.table({"id": ["a"], "prompt": ["p"], "image_uri": ["x.png"]})
+        args, named = ["--gpus-per-actor", "1"], "--gpus-per-actor 1 but this machine has no GPU"
+        import torch
+
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    src = _job_input(tmp_path, table)
+    for dry in (["--dry-run"], []):
+        out = tmp_path / "out"
+        rc = job_main(["--input", str(src), "--output", str(out), "--target", ckpt, "--drafter", "ngram", *args,
+                       *dry], "instruct")
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and len(err.splitlines()) == 1 and named in err, err
+        assert not out.exists() and not ray.is_initialized()

@@ -12,6 +12,7 @@ import time
 import ray
 
 from mmspec_ray.batch.jobspec import JobSpec
+from mmspec_ray.batch.storage import JobInputError
 
 log = logging.getLogger(__name__)
 
@@ -108,15 +109,30 @@ def plan_actor_cpus(spec: JobSpec) -> float:
     return want
 
 
+def check_local_gpus(spec: JobSpec) -> None:
+    """Before a local Ray starts: GPUs asked for per actor on a machine whose torch sees none is refused in one
+    line (a cluster named in RAY_ADDRESS may add GPU nodes: `check_gpus` decides there)."""
+    if os.environ.get("RAY_ADDRESS") or ray.is_initialized() or not isinstance(spec.gpus_per_actor, (int, float)):
+        return
+    if spec.gpus_per_actor > 0:
+        import torch
+
+        if torch.cuda.device_count() == 0:
+            raise JobInputError(f"--gpus-per-actor {spec.gpus_per_actor:g} but this machine has no GPU torch can "
+                                "use; run on a GPU machine, or with --gpus-per-actor 0 (or auto)")
+
+
 def check_gpus(spec: JobSpec) -> None:
+    """GPUs per actor against the connected cluster's: refused on a local one without them, a warning on a cluster
+    (its autoscaler may add GPU nodes)."""
     if spec.gpus_per_actor <= 0:
         return
     have = float(ray.cluster_resources().get("GPU", 0.0))
     if have >= spec.gpus_per_actor:
         return
-    msg = f"--gpus-per-actor {spec.gpus_per_actor} but the cluster has {have:g} GPUs"
+    msg = f"--gpus-per-actor {spec.gpus_per_actor:g} but the cluster has {have:g} GPUs"
     if not os.environ.get("RAY_ADDRESS"):
-        raise ValueError(msg + "; run on a GPU machine or with --gpus-per-actor 0")
+        raise JobInputError(msg + "; run on a GPU machine or with --gpus-per-actor 0")
     log.warning("%s now; actors wait until the autoscaler adds GPU nodes", msg)
 
 

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray
 
-from mmspec_ray.batch.cluster import check_gpus, connect_ray, plan_actor_cpus, release_failed_run
+from mmspec_ray.batch.cluster import check_gpus, check_local_gpus, connect_ray, plan_actor_cpus, release_failed_run
 from mmspec_ray.batch.decoder import SpecDecoder
 from mmspec_ray.batch.output import Claim, OutputState, PartNames, claim, drop_rows, new_run_token, record_run
 from mmspec_ray.batch.output import scan as scan_output
@@ -69,6 +69,7 @@ def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = Sp
         spec = spec.model_copy(update={"decode": spec.decode.model_copy(update={"drafter": choice.spec})})
         drafter_why = choice.why
     check_drafter(spec.decode)  # on this driver, before Ray starts or anything is written
+    check_local_gpus(spec)
     connect_ray()  # resources follow the cluster: GPUs per actor, and the dtype that follows the device
     gpus = resolve_gpus(spec)
     spec = spec.model_copy(update={"gpus_per_actor": gpus})
@@ -170,6 +171,10 @@ def _drop_retries(out: Location, state: OutputState, done: pa.Table | None, ids:
 def check_columns(schema: pa.Schema, cfg: DecodeConfig, where: str) -> None:
     """Job-level input mistakes fail before anything starts (per-row nulls are row errors instead)."""
     names = set(schema.names)
+    twice = sorted({n for n in schema.names if schema.names.count(n) > 1})
+    if twice:
+        raise JobInputError(f"input {where} has duplicate column name(s) {twice}; parquet allows it, a table of rows "
+                            "does not: rename or drop the copies")
     clash = sorted(names & set(OUTPUT_COLUMNS + INTERNAL_COLUMNS))
     if clash:
         raise JobInputError(f"input {where} already has output column(s) {clash}; is it a previous job's output? "
