@@ -113,7 +113,7 @@ def test_resume_with_other_settings_is_refused_naming_the_difference(tmp_path):
     with pytest.raises(JobInputError, match=r"temperature: 0.0 -> 0.7"):
         claim(out, GREEDY | {"temperature": 0.7}, "in")
     for overwrite in (False, True):  # another dataset's ids would pass as done; its answers are not ours to delete
-        with pytest.raises(JobInputError, match=r"another job \(input 'in'\)"):
+        with pytest.raises(JobInputError, match=r"another job \(input '/.*/in'\)"):
             claim(out, GREEDY, "other", overwrite=overwrite)
     sampled = tmp_path / "sampled"
     claim(loc(sampled), GREEDY | {"temperature": 0.7}, "in")
@@ -632,3 +632,139 @@ def test_job_level_mistakes_are_one_line_before_ray_starts(ckpt, tmp_path, capsy
         err = capsys.readouterr().err.strip()
         assert rc == 2 and len(err.splitlines()) == 1 and named in err, err
         assert not out.exists() and not ray.is_initialized()
+
+
+# ---------------- what an input is: its files, whatever their names, and whatever the URI's spelling ----------------
+
+def _write_ids(path, ids: list[str]) -> None:
+    pq.write_table(pa.table({"id": ids, "prompt": [f"p {i}" for i in ids]}), path)
+
+
+def test_every_parquet_file_of_an_input_folder_is_read_and_other_files_refused(tmp_path):
+    """Parquet by suffix in any case (.parquet, .parq, .pq) or by magic bytes; `_` / `.` names skipped; any other file
+    refuses the folder, naming it (never skipped silently)."""
+    from mmspec_ray.batch.storage import parquet_files
+
+    src = tmp_path / "in"
+    (src / "sub").mkdir(parents=True)
+    _write_ids(src / "a.parquet", ["a1", "a2", "a3", "a4"])
+    _write_ids(src / "b.PARQUET", ["b1", "b2", "b3", "b4"])
+    _write_ids(src / "c.parq", ["c1", "c2"])
+    _write_ids(src / "sub" / "part-00000", ["c3", "c4"])  # no suffix: parquet by its magic bytes
+    (src / "_SUCCESS").write_text("")
+    (src / ".a.parquet.crc").write_text("crc")
+    names = sorted(p.rsplit("/", 1)[-1] for p in parquet_files(loc(src)))
+    assert names == ["a.parquet", "b.PARQUET", "c.parq", "part-00000"]
+    _, ids = scan_input(loc(src))
+    assert len(ids) == 12
+    (src / "sub" / "notes.txt").write_text("not parquet")
+    with pytest.raises(JobInputError, match=r"1 file\(s\) that are not parquet \(e\.g\. .*sub/notes\.txt\)"):
+        scan_input(loc(src))
+
+
+def test_an_input_spelled_another_way_is_the_same_input(tmp_path, monkeypatch):
+    """A trailing slash, ./, a relative path, file://: one input. A copy elsewhere (new mtimes, same bytes) is the
+    same input too; a copy with a changed file is refused, and with --redecode-changed its changed file is redone."""
+    import shutil
+
+    from mmspec_ray.batch.storage import canonical_uri, input_fingerprints
+
+    monkeypatch.chdir(tmp_path)
+    src = tmp_path / "in"
+    src.mkdir()
+    _write_ids(src / "a.parquet", ["a1"])
+    _write_ids(src / "b.parquet", ["b1"])
+    out = loc(tmp_path / "out")
+    prints = input_fingerprints(loc(src))
+    claim(out, GREEDY, str(src), prints)
+    for spelling in (f"{src}/", "in", "./in/", f"file://{src}", f"file://{src}/", "../" + tmp_path.name + "/in"):
+        assert canonical_uri(spelling) == str(src)
+        assert claim(out, GREEDY, spelling, input_fingerprints(loc(spelling))).changed == [], spelling
+        assert claim(out, GREEDY, spelling, input_fingerprints(loc(spelling)), redecode_changed=True).changed == []
+    copy = tmp_path / "copy"
+    shutil.copytree(src, copy)  # new mtimes, the same bytes
+    os_utime_later(copy / "a.parquet")
+    assert claim(out, GREEDY, str(copy), input_fingerprints(loc(copy))).changed == []
+    _write_ids(copy / "b.parquet", ["b1", "b2"])
+    with pytest.raises(JobInputError, match=r"another job \(input '.*/in'\); this job reads '.*/copy', whose files "
+                                            r"differ.*--redecode-changed"):
+        claim(out, GREEDY, str(copy), input_fingerprints(loc(copy)))
+    claimed = claim(out, GREEDY, str(copy), input_fingerprints(loc(copy)), redecode_changed=True)
+    assert claimed.changed_files == ["b.parquet"]
+    other = tmp_path / "other"
+    other.mkdir()
+    _write_ids(other / "x.parquet", ["x1"])
+    for redecode in (False, True):  # no file in common: another dataset, whatever the flag
+        with pytest.raises(JobInputError, match="another job"):
+            claim(out, GREEDY, str(other), input_fingerprints(loc(other)), redecode_changed=redecode)
+
+
+def os_utime_later(path, seconds: float = 100.0) -> None:
+    import os
+
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + int(seconds * 1e9)))
+
+
+def test_a_file_replaced_with_the_same_size_and_mtime_is_a_change(tmp_path):
+    """Local disk: the md5 of the file's bytes tells it; a marker without hashes (an earlier version's) still
+    resumes, compared on what it has."""
+    import os
+
+    from mmspec_ray.batch.storage import fingerprint_changes, input_fingerprints
+
+    src = tmp_path / "in"
+    src.mkdir()
+    _write_ids(src / "a.parquet", ["a1", "a2"])
+    _write_ids(src / "b.parquet", ["b1", "b2"])
+    out = loc(tmp_path / "out")
+    old = input_fingerprints(loc(src))
+    claim(out, GREEDY, str(src), old)
+    st = (src / "b.parquet").stat()
+    _write_ids(src / "b.parquet", ["b1", "b9"])  # other bytes, same size
+    os.utime(src / "b.parquet", ns=(st.st_atime_ns, st.st_mtime_ns))
+    new = input_fingerprints(loc(src))
+    assert (new["b.parquet"]["size"], new["b.parquet"]["mtime"]) == (old["b.parquet"]["size"],
+                                                                     old["b.parquet"]["mtime"])
+    assert [c.split(":")[0] for c in fingerprint_changes(old, new)] == ["b.parquet"]
+    assert "md5" in fingerprint_changes(old, new)[0]
+    with pytest.raises(JobInputError, match=r"the input changed since .*b\.parquet: md5"):
+        claim(out, GREEDY, str(src), new)
+    assert claim(out, GREEDY, str(src), new, redecode_changed=True).changed_files == ["b.parquet"]
+    legacy = {n: {k: v for k, v in f.items() if k in ("size", "mtime")} for n, f in new.items()}
+    assert fingerprint_changes(legacy, new) == []  # an earlier marker: size and mtime only
+    no_mtime = {"a.parquet": {"size": new["a.parquet"]["size"], "sha256": "x"}}  # a store without mtimes
+    assert fingerprint_changes(no_mtime, new) == ["b.parquet: new"]  # a.parquet: only the size is in both
+
+
+def test_s3_input_spellings_its_local_copy_and_a_same_size_replacement(s3_server, tmp_path):
+    """On S3 the ETag identifies a file: an s3:// input spelled with a trailing or doubled slash, and its local copy,
+    are the same input; an object replaced with the same size (and, within the same second, the same mtime) is a
+    change."""
+    from mmspec_ray.batch.storage import fingerprint_changes, input_fingerprints
+
+    s3 = s3_server.s3_config
+    bucket = s3_server.new_bucket("prints")
+    local = tmp_path / "copy"
+    local.mkdir()
+    for name, ids in (("a.parquet", ["a1"]), ("sub/b.parquet", ["b1", "b2"])):
+        path = local / name
+        path.parent.mkdir(exist_ok=True)
+        _write_ids(path, ids)
+        s3_server.put(bucket, f"in/{name}", path.read_bytes())
+    uri = f"s3://{bucket}/in"
+    prints = input_fingerprints(locate(uri, s3))
+    assert set(prints) == {"a.parquet", "sub/b.parquet"} and all("etag" in p and "md5" in p for p in prints.values())
+    out = loc(tmp_path / "out")
+    claim(out, GREEDY, uri, prints)
+    for spelling in (f"{uri}/", f"s3://{bucket}//in/"):
+        assert claim(out, GREEDY, spelling, input_fingerprints(locate(spelling, s3))).changed == []
+    assert claim(out, GREEDY, str(local), input_fingerprints(loc(local))).changed == []  # its local copy
+    _write_ids(local / "a.parquet", ["a9"])  # same size, other bytes
+    s3_server.put(bucket, "in/a.parquet", (local / "a.parquet").read_bytes())
+    new = input_fingerprints(locate(uri, s3))
+    new["a.parquet"]["mtime"] = prints["a.parquet"]["mtime"]  # as within the same second (S3 mtimes are seconds)
+    assert new["a.parquet"]["size"] == prints["a.parquet"]["size"]
+    assert [c.split(":")[0] for c in fingerprint_changes(prints, new)] == ["a.parquet"]
+    with pytest.raises(JobInputError, match=r"the input changed since .*\(a\.parquet: md5 \w+ -> \w+\)"):
+        claim(out, GREEDY, uri, new)

@@ -17,7 +17,8 @@ import pyarrow as pa
 import torch
 
 from mmspec_ray.batch.rows import (ERROR_COL, ERROR_KIND_COL, INTERNAL_COLUMNS, OUTPUT_SCHEMA, REQUEST_COL,
-                                   RowError, error_output, prepare_row, resolve_image_side)
+                                   RowError, error_output, prepare_row, readable_block,
+                                   resolve_image_side)
 from mmspec_ray.batch.jobspec import DecodeConfig
 from mmspec_ray.config import SamplingParams
 from mmspec_ray.drafters.base import load_drafter
@@ -185,7 +186,9 @@ class SpecDecoder:
                 else:
                     outputs.append(self.generate(pickle.loads(blob), row_id))
         else:
-            outputs = [self.decode(row) for row in batch.to_pylist()]
+            batch, unreadable = readable_block(batch)
+            outputs = [error_output(str(bad), bad.kind) if bad is not None else self.decode(row)
+                       for row, bad in zip(batch.to_pylist(), unreadable)]
         self._report(outputs)
         return attach_outputs(batch, outputs)
 

@@ -30,8 +30,8 @@ from pyarrow import fs as pafs
 from ray.data.datasource import FilenameProvider
 
 from mmspec_ray.batch.jobspec import REFUSAL_ONLY_MEDIA
-from mmspec_ray.batch.storage import (SUMMARY_NAME, JobInputError, Location, exists, fingerprint_changes, read_json,
-                                      write_json)
+from mmspec_ray.batch.storage import (SUMMARY_NAME, JobInputError, Location, canonical_uri, changed_names, exists,
+                                      fingerprint_changes, read_json, same_input, write_json)
 from mmspec_ray.media.io import is_transient
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,8 @@ def claim(loc: Location, settings: dict[str, Any], input_uri: str,
           fingerprints: dict[str, dict[str, Any]] | None = None, overwrite: bool = False,
           redecode_changed: bool = False) -> Claim:
     """Claim `loc` for a job reading `input_uri` with `settings` (writing the marker), or check that a resume is the
-    same job: same input (ids of another dataset would pass as done), same text-deciding settings, and input files
+    same job: same input (any spelling of its URI, or the same files elsewhere: `same_input`; ids of another dataset
+    would pass as done), same text-deciding settings, and input files
     unchanged since the marker recorded their `fingerprints` (else refused, or with `redecode_changed` returned as
     `Claim.changed` for the caller to decode their rows again before `record_run` records the new fingerprints).
 
@@ -128,9 +129,11 @@ def claim(loc: Location, settings: dict[str, Any], input_uri: str,
         raise JobInputError(f"output {loc.uri} already holds {len(files)} file(s) (e.g. {sample}) that this job did "
                             "not write (no _mmspec_job.json marker); choose a new or empty output directory")
     record = _upgrade(loc, _read_json(marker), files) if has_marker else {}
-    if has_marker and record.get("input") != input_uri:
+    if has_marker and not same_input(record.get("input"), record.get("input_files"), input_uri, fingerprints,
+                                     copy_changed=redecode_changed):
         raise JobInputError(f"output {loc.uri} holds the answers of another job (input {record.get('input')!r}); "
-                            f"this job reads {input_uri!r}. Use a new --output for it")
+                            f"this job reads {canonical_uri(input_uri)!r}, whose files differ. Use a new --output "
+                            "for it, or --redecode-changed if it is a copy of that input with some files changed")
     if has_marker and overwrite:
         own = [i.path for i in files if owns(loc, record, i.path) or
                (_is_top(loc, i.path) and i.path.endswith("/" + SUMMARY_NAME))]
@@ -153,11 +156,10 @@ def claim(loc: Location, settings: dict[str, Any], input_uri: str,
                 f"{f'; {len(changed) - 5} more' if len(changed) > 5 else ''}): a resume would keep answers to the old "
                 "rows. Re-run with --redecode-changed to decode the rows of the changed files again (and drop rows "
                 "no longer in the input), or use a new --output, or --overwrite to start over")
-        names = [n for n in sorted(set(old or {}) | set(fingerprints or {}))
-                 if (old or {}).get(n) != (fingerprints or {}).get(n)] if changed else []
+        names = changed_names(old, fingerprints) if changed else []
         return Claim(record, changed, names)
     record = {"format": MARKER_FORMAT, "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "input": input_uri, "input_files": fingerprints, "settings": settings, "runs": []}
+              "input": canonical_uri(input_uri), "input_files": fingerprints, "settings": settings, "runs": []}
     write_json(marker, record)
     return Claim(record, [], [])
 

@@ -220,7 +220,7 @@ def _build(spec: JobSpec, cfg: DecodeConfig, table: pa.Table | None, source: Loc
     else:
         files = parquet_files(source)
         paths = [f"s3://{f}" for f in files] if source.is_s3 else files
-        ds = ray.data.read_parquet(paths, filesystem=source.fs, **task)
+        ds = ray.data.read_parquet(paths, filesystem=source.fs, file_extensions=None, **task)  # listed: all read
         if not full:
             ds = ds.map_batches(keep_ids, fn_kwargs={"ids": todo}, batch_format="pyarrow", batch_size=None, **task)
     ds = ds.repartition(target_num_rows_per_block=spec.rows_per_block)

@@ -15,6 +15,7 @@ from typing import Any
 import pyarrow as pa
 
 from mmspec_ray.batch.jobspec import DecodeConfig
+from mmspec_ray.batch.storage import escape_invalid_utf8
 from mmspec_ray.config import S3Config
 from mmspec_ray.media import MediaError, load_image, load_video
 from mmspec_ray.targets.base import Request
@@ -60,6 +61,61 @@ def error_output(message: str, kind: str) -> dict[str, Any]:
     out: dict[str, Any] = {name: None for name in OUTPUT_COLUMNS}
     out.update(error=message, error_kind=kind)
     return out
+
+
+def readable_block(batch: pa.Table) -> tuple[pa.Table, list[RowError | None]]:
+    """`batch` with every text value that is not valid UTF-8 made readable, and per row the error of its first such
+    value (kind `invalid`), or None. A string column keeps the value with its invalid bytes as \\xNN escapes (so a
+    non-UTF-8 `id` is written that way); in a nested column (a list of URIs...) the cell becomes null. Why: Arrow
+    reads such bytes, but turning the block into Python rows would fail every row of it."""
+    errors: list[RowError | None] = [None] * batch.num_rows
+    for i, name in enumerate(batch.column_names):
+        column = batch.column(i)
+        if not _holds_text(column.type):
+            continue
+        fixed, bad = escape_invalid_utf8(column) if _is_text(column.type) else _null_invalid(column)
+        if not bad:
+            continue
+        batch = batch.set_column(i, batch.field(i), fixed)
+        for r in bad:
+            errors[r] = errors[r] or RowError(name, "invalid", _not_utf8(name, column, r, fixed))
+    return batch, errors
+
+
+def _not_utf8(name: str, column: pa.ChunkedArray, row: int, fixed: pa.ChunkedArray) -> str:
+    if not _is_text(column.type):
+        return "holds text that is not valid UTF-8 (written as null); write it as UTF-8 strings"
+    shown = fixed[row].as_py()
+    shown = shown if len(shown) <= 60 else shown[:60] + "..."
+    what = "the row's id is written as" if name == "id" else "invalid bytes written as \\xNN escapes:"
+    return (f"is not valid UTF-8 text ({what} '{shown}'); write text columns as UTF-8, or bytes in a binary "
+            "column")
+
+
+def _is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _holds_text(t: pa.DataType) -> bool:
+    """Whether a column type is or contains strings (a list or struct of them...)."""
+    return _is_text(t) or any(_holds_text(t.field(j).type) for j in range(t.num_fields))
+
+
+def _null_invalid(column: pa.ChunkedArray) -> tuple[pa.ChunkedArray, list[int]]:
+    """A nested column with each cell holding non-UTF-8 text set to null, and those cells' row indices."""
+    try:
+        column.validate(full=True)
+        return column, []
+    except pa.ArrowInvalid:
+        pass
+    values, bad = [], []
+    for r in range(len(column)):
+        try:
+            values.append(column[r].as_py())
+        except UnicodeDecodeError:
+            values.append(None)
+            bad.append(r)
+    return pa.chunked_array([pa.array(values, type=column.type)], type=column.type), bad
 
 
 def prepare_row(row: Mapping[str, Any], cfg: DecodeConfig) -> Request:

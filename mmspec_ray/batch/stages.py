@@ -13,24 +13,32 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray
 
-from mmspec_ray.batch.rows import ERROR_COL, ERROR_KIND_COL, REQUEST_COL, RowError, prepare_row
+from mmspec_ray.batch.rows import ERROR_COL, ERROR_KIND_COL, REQUEST_COL, RowError, prepare_row, readable_block
+from mmspec_ray.batch.storage import escape_invalid_utf8
 from mmspec_ray.batch.jobspec import DecodeConfig
 
 
 def keep_ids(batch: pa.Table, ids: pa.Array) -> pa.Table:
-    """Rows whose `id` is in `ids` (the rows this run still has to do)."""
-    return batch.filter(pc.is_in(batch.column("id"), value_set=ids))
+    """Rows whose `id` is in `ids` (the rows this run still has to do; a non-UTF-8 id compared as written)."""
+    return batch.filter(pc.is_in(escape_invalid_utf8(batch.column("id"))[0], value_set=ids))
 
 
 def prepare_block(batch: pa.Table, cfg: DecodeConfig, tracker: Any = None, max_row_crashes: int | None = None,
                   row_fn: Callable[..., Any] = prepare_row) -> pa.Table:
     """Decode each row's media into a pickled `Request` (or record the row's error) so that decoder actors spend
     their time on the model, not on fetching and decoding media. With `tracker`, a row whose media killed this task's
-    process `max_row_crashes` times (Ray retries the task) is filed as error kind `crash` instead."""
+    process `max_row_crashes` times (Ray retries the task) is filed as error kind `crash` instead. Text that is not
+    valid UTF-8 is that row's `invalid` error (`readable_block`), and the block goes on in its readable form."""
     blobs: list[bytes | None] = []
     errors: list[str | None] = []
     kinds: list[str | None] = []
-    for row in batch.to_pylist():
+    batch, unreadable = readable_block(batch)  # a value that is not UTF-8 fails its row, not the block
+    for row, bad in zip(batch.to_pylist(), unreadable):
+        if bad is not None:
+            blobs.append(None)
+            errors.append(str(bad))
+            kinds.append(bad.kind)
+            continue
         key = f"media:{row.get('id')}"
         died = ray.get(tracker.start_row.remote(key)) if tracker is not None and max_row_crashes else 0
         if died and died >= max_row_crashes:

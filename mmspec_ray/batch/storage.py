@@ -7,9 +7,11 @@ credentials come from the standard AWS sources and are never stored or logged. I
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -50,7 +52,10 @@ class Location:
 
 
 def locate(uri: str, s3: S3Config) -> Location:
-    """Local path / file:// URI / s3://bucket/key -> Location (S3 with the explicit endpoint from `s3`)."""
+    """Local path / file:// URI / s3://bucket/key -> Location (S3 with the explicit endpoint from `s3`; empty key
+    segments, as in s3://b//in, dropped)."""
+    if uri.startswith("s3://"):
+        uri = canonical_uri(uri) + ("/" if uri.endswith("/") else "")
     filesystem, path = filesystem_for(uri, s3)
     return Location(uri if uri.startswith("s3://") else path, filesystem, path)
 
@@ -59,49 +64,92 @@ def exists(loc: Location) -> bool:
     return loc.fs.get_file_info(loc.path).type != pafs.FileType.NotFound
 
 
+PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")  # read by name (any case); any other file: by its magic bytes
+PARQUET_MAGIC = b"PAR1"
+
+
 def parquet_files(loc: Location) -> list[str]:
-    """Sorted parquet files at `loc` (a file, or a directory searched recursively); `_` / `.` names skipped."""
+    """Sorted parquet files at `loc`: a file, or every file of a directory searched recursively (`_` / `.` names
+    skipped), each either named *.parquet / *.parq / *.pq in any case or starting with parquet's magic bytes.
+    Refuses (JobInputError) a directory holding any other file, naming it: no file is skipped silently."""
     info = loc.fs.get_file_info(loc.path)
     if info.type == pafs.FileType.File:
         return [loc.path]
     if info.type == pafs.FileType.NotFound:
         return []
     infos = loc.fs.get_file_info(pafs.FileSelector(loc.path, recursive=True))
-    out = []
+    named, other = [], []
     for i in infos:
         rel = i.path[len(loc.path):].lstrip("/")
-        if i.type != pafs.FileType.File or not i.path.endswith(".parquet"):
+        if i.type != pafs.FileType.File or any(part.startswith(("_", ".")) for part in rel.split("/")):
             continue
-        if any(part.startswith(("_", ".")) for part in rel.split("/")):
-            continue
-        out.append(i.path)
-    return sorted(out)
+        (named if i.path.lower().endswith(PARQUET_SUFFIXES) else other).append(i.path)
+    if other:
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            magic = list(pool.map(lambda p: _starts_like_parquet(loc.fs, p), other))
+        refused = [p for p, ok in zip(other, magic) if not ok]
+        if refused:
+            sample = ", ".join(_name(loc, p) for p in refused[:3])
+            raise JobInputError(f"input {loc.uri} holds {len(refused)} file(s) that are not parquet (e.g. {sample}); "
+                                "the job reads every file of an input folder except names starting with _ or . : "
+                                "move them out, or rename them to start with _")
+        named += other
+    return sorted(named)
+
+
+def _starts_like_parquet(fs: pafs.FileSystem, path: str) -> bool:
+    """Whether a file begins with parquet's magic bytes (one small read; S3: one ranged GET)."""
+    with fs.open_input_file(path) as f:
+        return f.read(len(PARQUET_MAGIC)) == PARQUET_MAGIC
 
 
 def input_fingerprints(loc: Location, files: list[str] | None = None) -> dict[str, dict[str, Any]]:
-    """What each input file is now, to tell on a resume whether the input changed: {name: {size, mtime}} (name
-    relative to `loc`), or {size, sha256} for a file whose store gives no modification time. `files`: the input's
-    parquet files (default: `parquet_files(loc)`; a single file such as a Kinetics CSV is itself)."""
-    import hashlib
-
+    """What each input file is now, to tell on a resume whether the input changed: {name: fingerprint} (name relative
+    to `loc`; `file_fingerprint`). `files`: the input's parquet files (default: `parquet_files(loc)`; a single file
+    such as a Kinetics CSV is itself)."""
     paths = files if files is not None else (parquet_files(loc) or [loc.path])
-    out: dict[str, dict[str, Any]] = {}
-    for path in paths:
-        info = loc.fs.get_file_info(path)
-        if info.type != pafs.FileType.File:
-            continue
-        name = input_name(loc, path)
-        rec: dict[str, Any] = {"size": info.size}
-        if info.mtime_ns is not None:
-            rec["mtime"] = datetime.fromtimestamp(info.mtime_ns / 1e9, timezone.utc).isoformat(timespec="microseconds")
-        else:
-            digest = hashlib.sha256()
-            with loc.fs.open_input_stream(path) as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    digest.update(chunk)
-            rec["sha256"] = digest.hexdigest()
-        out[name] = rec
-    return out
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        records = list(pool.map(lambda p: file_fingerprint(loc, p), paths))
+    return {input_name(loc, p): rec for p, rec in zip(paths, records) if rec is not None}
+
+
+def file_fingerprint(loc: Location, path: str) -> dict[str, Any] | None:
+    """One input file's size, modification time and content identity (None if it is not a file): on S3 its ETag,
+    plus `md5` where the ETag is one (a single-part upload); elsewhere an md5 of its bytes (cheap next to decoding
+    them; catches a file replaced with the same size and mtime), plus a sha256 where the store gives no mtime."""
+    info = loc.fs.get_file_info(path)
+    if info.type != pafs.FileType.File:
+        return None
+    rec: dict[str, Any] = {"size": info.size}
+    if info.mtime_ns is not None:
+        rec["mtime"] = datetime.fromtimestamp(info.mtime_ns / 1e9, timezone.utc).isoformat(timespec="microseconds")
+    etag = _etag(loc.fs, path) if loc.is_s3 else None
+    if etag:
+        rec["etag"] = etag
+        if re.fullmatch(r"[0-9a-f]{32}", etag):
+            rec["md5"] = etag
+        return rec
+    rec.update(_content_hashes(loc.fs, path, sha256=info.mtime_ns is None))
+    return rec
+
+
+def _etag(fs: pafs.FileSystem, path: str) -> str | None:
+    """An S3 object's ETag, unquoted (one HEAD request); None where the store gives none."""
+    with fs.open_input_file(path) as f:
+        raw = f.metadata().get("ETag")
+    return raw.decode().strip('"').lower() if raw else None
+
+
+def _content_hashes(fs: pafs.FileSystem, path: str, sha256: bool = False) -> dict[str, str]:
+    """md5 (and with `sha256`, sha256) of a file's bytes, read in one pass."""
+    digests = {"md5": hashlib.md5(usedforsecurity=False)}
+    if sha256:
+        digests["sha256"] = hashlib.sha256()
+    with fs.open_input_stream(path) as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            for d in digests.values():
+                d.update(chunk)
+    return {k: d.hexdigest() for k, d in digests.items()}
 
 
 def input_name(loc: Location, path: str) -> str:
@@ -109,19 +157,58 @@ def input_name(loc: Location, path: str) -> str:
     return path[len(loc.path):].lstrip("/") or path.rsplit("/", 1)[-1]
 
 
+CONTENT_KEYS = ("md5", "sha256", "etag")  # a file's content identity, in the order compared
+
+
+def fingerprint_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """The fields on which two fingerprints of one file differ: its size, then the content hashes both carry (they
+    decide, whatever the mtimes: a copy or a `touch` is no change), else its modification time. Fields only one
+    carries (a marker of an earlier version has no hashes) are not compared."""
+    hashes = [k for k in CONTENT_KEYS if k in a and k in b]
+    if "md5" in hashes and "etag" in hashes:  # an ETag that is an md5 is recorded as `md5` too: say it once
+        hashes.remove("etag")
+    return [k for k in ["size", *(hashes or ["mtime"])] if k in a and k in b and a[k] != b[k]]
+
+
+def changed_names(old: dict[str, dict[str, Any]], new: dict[str, dict[str, Any]]) -> list[str]:
+    """Names of the input files that are new, gone or changed since `old` was recorded (sorted)."""
+    return [n for n in sorted(set(old) | set(new))
+            if n not in old or n not in new or fingerprint_diff(old[n], new[n])]
+
+
 def fingerprint_changes(old: dict[str, dict[str, Any]], new: dict[str, dict[str, Any]]) -> list[str]:
     """One line per input file that is new, gone or changed since `old` was recorded (empty: the same input)."""
     out = []
-    for name in sorted(set(old) | set(new)):
+    for name in changed_names(old, new):
         a, b = old.get(name), new.get(name)
         if a is None:
             out.append(f"{name}: new")
         elif b is None:
             out.append(f"{name}: gone")
-        elif a != b:
-            what = ", ".join(f"{k} {a.get(k)} -> {b.get(k)}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
-            out.append(f"{name}: {what}")
+        else:
+            out.append(f"{name}: " + ", ".join(f"{k} {a[k]} -> {b[k]}" for k in fingerprint_diff(a, b)))
     return out
+
+
+def canonical_uri(uri: str) -> str:
+    """One spelling per input: s3://bucket/key without empty segments or a trailing slash; a local path or file://
+    URI as an absolute, normalised path (relative to the current directory)."""
+    if uri.startswith("s3://"):
+        return "s3://" + "/".join(p for p in uri[len("s3://"):].split("/") if p)
+    path = uri[len("file://"):] if uri.startswith("file://") else uri
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def same_input(old_uri: str | None, old: dict[str, dict[str, Any]] | None, uri: str,
+               new: dict[str, dict[str, Any]] | None, copy_changed: bool = False) -> bool:
+    """Whether an input read as `uri` (files `new`) is the one recorded as `old_uri` (files `old`): the same URI in
+    any spelling, or files with the same names and fingerprints elsewhere (a copy, an S3 input and its local copy).
+    With `copy_changed` (--redecode-changed) a copy some of whose files changed counts too, if a file name is shared."""
+    if old_uri is not None and canonical_uri(old_uri) == canonical_uri(uri):
+        return True
+    if not old or not new:
+        return False
+    return not changed_names(old, new) or (copy_changed and bool(set(old) & set(new)))
 
 
 class JobInputError(ValueError):
@@ -182,7 +269,8 @@ def scan_input(loc: Location) -> tuple[pa.Schema, pa.ChunkedArray]:
 
     def ids_of(path: str) -> pa.Array:
         try:
-            return pq.read_table(path, columns=["id"], filesystem=loc.fs).column("id").combine_chunks()
+            ids = pq.read_table(path, columns=["id"], filesystem=loc.fs).column("id").combine_chunks()
+            return escape_invalid_utf8(ids)[0]  # as the output writes them: a non-UTF-8 id is that row's error
         except (pa.ArrowException, OSError) as e:
             raise JobInputError(f"cannot read column 'id' of input file {_name(loc, path)}: {_one_line(e)}") from e
 
@@ -221,6 +309,40 @@ def check_ids(ids: pa.ChunkedArray | pa.Array, where: str, files: list[str] | No
             holders = [f for f, c in zip(files, chunks) if pc.any(pc.equal(c, sample[0])).as_py()]
             msg += f" ({sample[0]!r} is in {', '.join(holders)})"
         raise JobInputError(msg + "; ids must be unique")
+
+
+def escape_invalid_utf8(values: pa.Array | pa.ChunkedArray) -> tuple[pa.Array | pa.ChunkedArray, list[int]]:
+    """A string column with each value that is not valid UTF-8 made readable (invalid bytes as \\xNN escapes, the
+    rest of the value as is), and those values' row indices; any other column unchanged. So one binary value fails
+    its own row (and keeps a readable id), never the whole column."""
+    if isinstance(values, pa.ChunkedArray):
+        chunks, bad, start = [], [], 0
+        for chunk in values.chunks:
+            fixed, rows = escape_invalid_utf8(chunk)
+            chunks.append(fixed)
+            bad += [start + r for r in rows]
+            start += len(chunk)
+        return pa.chunked_array(chunks, type=values.type), bad
+    t = values.type
+    if not (pa.types.is_string(t) or pa.types.is_large_string(t)):
+        return values, []
+    try:
+        values.validate(full=True)
+        return values, []
+    except pa.ArrowInvalid:
+        pass
+    raw = values.cast(pa.large_binary() if pa.types.is_large_string(t) else pa.binary()).to_pylist()
+    bad = [i for i, v in enumerate(raw) if v is not None and not _is_utf8(v)]
+    text = [v.decode("utf-8", "backslashreplace") if v is not None else None for v in raw]
+    return pa.array(text, type=t), bad
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
 
 
 def write_whole(loc: Location, data: bytes) -> None:
