@@ -98,8 +98,13 @@ FIELDS = st.fixed_dictionaries({}, optional={
     "top_k": st.integers(min_value=-(2**70), max_value=2**70) | JSON,
     "max_tokens": st.integers(min_value=-(2**70), max_value=2**70) | JSON,
     "stop": JSON, "stream": JSON, "n": JSON,
+    "logprobs": JSON, "top_logprobs": JSON, "tools": JSON, "tool_choice": JSON, "response_format": JSON,
+    "functions": JSON, "logit_bias": JSON, "presence_penalty": JSON, "stream_options": JSON,
     "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "x"]) | JSON,
-                                                "content": JSON}), max_size=3) | JSON,
+                                                "content": JSON | st.lists(st.fixed_dictionaries(
+                                                    {"type": st.sampled_from(["text", "image_url", "x"]) | JSON},
+                                                    optional={"text": JSON, "image_url": JSON}), max_size=3)}),
+                         max_size=3) | JSON,
 })
 
 

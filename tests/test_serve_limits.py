@@ -20,6 +20,7 @@ openai = pytest.importorskip("openai")
 
 from serve_fixtures import MODEL, data_url, png, post, reference, serve_app  # noqa: E402,F401
 from mmspec_ray.toy.clips import encode_mp4  # noqa: E402
+from PIL import Image  # noqa: E402
 from tiny import random_images  # noqa: E402
 
 
@@ -86,6 +87,9 @@ BAD_REQUESTS = [
      "invalid_value", "messages[0].content[0]"),
     ("part type as an object", {"messages": [{"role": "user", "content": [{"type": {"a": "text"}}]}]}, 400,
      "invalid_value", "messages[0].content[0]"),
+    ("aspect-ratio bomb", {"messages": user_parts(image_part(data_url(png(Image.new("RGB", (20000, 1))),
+                                                                      "image/png")))}, 400, "media_aspect_ratio",
+     "messages[0].content[0].image_url"),
     ("logprobs", {"logprobs": True, "top_logprobs": 2}, 400, "unsupported_parameter", "logprobs"),
     ("tools required", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
                         "tool_choice": "required"}, 400, "unsupported_parameter", "tools"),
