@@ -212,6 +212,46 @@ def test_all_error_block_keeps_types():
     assert out.schema.field("num_output_tokens").type == pa.int32()
 
 
+def not_utf8(values: list[bytes | None], large: bool = False) -> pa.Array:
+    """A string column holding the given bytes as they are (Arrow and parquet keep invalid UTF-8 as read)."""
+    return pa.array(values, pa.large_binary() if large else pa.binary()).view(pa.large_string() if large else
+                                                                             pa.string())
+
+
+def test_text_that_is_not_utf8_fails_its_row_only(decoder, cfg, tmp_path):
+    """A binary value in a string column (prompt, id, a list of strings) is that row's `invalid` error; the block's
+    other rows are answered. A non-UTF-8 id is written, and compared on resume, with its invalid bytes as \\xNN
+    escapes (`id-\\xff`), the same in the input's scan, `keep_ids` and the output."""
+    from mmspec_ray.batch.storage import scan_input
+
+    img = png(random_images(1, seed=9)[0])
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.table({
+        "id": not_utf8([b"good", b"bad-prompt", b"id-\xff", b"bad-tag"]),
+        "prompt": not_utf8([b"describe", b"caf\xe9 \xff", b"describe", b"describe"], large=True),
+        "image": [img] * 4,
+        "tags": pa.array([[b"x"], [b"y"], None, [b"ok", b"\xfe"]], pa.list_(pa.binary())).cast(
+            pa.list_(pa.binary())).view(pa.list_(pa.string())),
+    }), path)
+    block = pq.read_table(path)
+    with pytest.raises(UnicodeDecodeError):
+        block.to_pylist()
+    _, ids = scan_input(locate(str(path), LOCAL))
+    assert ids.to_pylist() == ["good", "bad-prompt", "id-\\xff", "bad-tag"]
+    assert keep_ids(block, pa.array(["id-\\xff", "good"])).num_rows == 2
+    raw = decoder(block)
+    prepared = decoder(prepare_block(block, cfg))
+    for out in (raw, prepared):
+        rows = out.to_pylist()  # readable: every string is valid UTF-8 now
+        assert [r["id"] for r in rows] == ids.to_pylist()
+        assert [r["error_kind"] for r in rows] == [None, "invalid", "invalid", "invalid"]
+        assert rows[0]["output_text"] and rows[0]["error"] is None
+        assert rows[1]["error"].startswith("prompt: is not valid UTF-8") and rows[1]["prompt"] == "caf\\xe9 \\xff"
+        assert rows[2]["error"].startswith("id: is not valid UTF-8 text (the row's id is written as 'id-\\xff')")
+        assert rows[3]["error"].startswith("tags: holds text that is not valid UTF-8") and rows[3]["tags"] is None
+    assert raw.column("output_token_ids").to_pylist() == prepared.column("output_token_ids").to_pylist()
+
+
 # ---------------- resume bookkeeping and summary ----------------
 
 def test_keep_ids_and_check_ids():
