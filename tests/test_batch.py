@@ -200,6 +200,46 @@ def test_resume_after_interrupted_run(s3_server, ray_cluster, ckpt, reference):
     assert read_output(s3_server, out_uri).num_rows == len(rows)
 
 
+# ---------------- on local disk, through the job's entry point: text that is not UTF-8, any parquet suffix --------
+
+def test_local_job_answers_every_row_beside_non_utf8_text_in_files_of_any_parquet_suffix(
+        s3_server, ray_cluster, ckpt, reference, tmp_path, capsys):
+    """One row's prompt and another's id hold bytes that are not UTF-8: each is that row's `invalid` error (the id
+    written as `id-\\xff`), every other row is answered; the files named .parquet, .PARQUET and .parq are all read.
+    A resume, under other spellings of the input too, finds every row done (the escaped id included)."""
+    src = tmp_path / "in"
+    src.mkdir()
+    rows, requests = [], {}
+    for i, img in enumerate(random_images(6, seed=21)):
+        data = png(img)
+        rows.append({"id": f"r{i}".encode(), "prompt": f"describe the image {i}".encode(), "image": data})
+        requests[f"r{i}"] = Request(prompt=f"describe the image {i}", images=(load_image(data),))
+    rows[1]["prompt"] = b"describe \xff\xfe"
+    rows[4]["id"] = b"id-\xff"
+    del requests["r1"], requests["r4"]
+    for name, chunk in (("a.parquet", rows[:2]), ("b.PARQUET", rows[2:4]), ("c.parq", rows[4:])):
+        pq.write_table(pa.table({"id": pa.array([r["id"] for r in chunk]).view(pa.string()),
+                                 "prompt": pa.array([r["prompt"] for r in chunk]).view(pa.string()),
+                                 "image": [r["image"] for r in chunk]}), src / name)
+    out = tmp_path / "out"
+    flags = ["--output", str(out), "--target", ckpt, "--drafter", "ngram", "--max-new-tokens", str(MAX_NEW),
+             "--num-actors", "1", "--rows-per-block", "2", "--speedup-sample", "0", "--no-progress-bars"]
+    assert job_main(["--input", str(src), *flags], "instruct") == 0, capsys.readouterr().err[-2000:]
+    table = read_output(s3_server, str(out))
+    ids = ["r0", "r1", "r2", "r3", "id-\\xff", "r5"]
+    assert_exactly_once(table, ids)
+    assert_matches_reference(table, requests, reference)
+    errors = {r["id"]: (r["error_kind"], r["error"]) for r in table.to_pylist() if r["error"]}
+    assert set(errors) == {"r1", "id-\\xff"} and {k for k, _ in errors.values()} == {"invalid"}
+    assert errors["r1"][1].startswith("prompt: is not valid UTF-8") and "'describe \\xff\\xfe'" in errors["r1"][1]
+    assert errors["id-\\xff"][1].startswith("id: is not valid UTF-8 text (the row's id is written as 'id-\\xff')")
+    for spelling in (str(src), f"{src}/", f"file://{src}"):
+        assert job_main(["--input", spelling, *flags], "instruct") == 0, capsys.readouterr().err[-2000:]
+        summary = read_json(locate(str(out), s3_server.s3_config).child("_summary.json"))
+        assert summary["complete"] and summary["run"]["rows"] == 0 and summary["rows_written"] == 6, spelling
+    assert read_output(s3_server, str(out)).num_rows == 6
+
+
 # ---------------- an actor process killed mid-job ----------------
 
 class CrashOnceDecoder(SpecDecoder):

@@ -641,25 +641,34 @@ def _write_ids(path, ids: list[str]) -> None:
 
 
 def test_every_parquet_file_of_an_input_folder_is_read_and_other_files_refused(tmp_path):
-    """Parquet by suffix in any case (.parquet, .parq, .pq) or by magic bytes; `_` / `.` names skipped; any other file
-    refuses the folder, naming it (never skipped silently)."""
-    from mmspec_ray.batch.storage import parquet_files
+    """An input folder's files named *.parquet, *.parq or *.pq in any case are read (`_` / `.` names skipped); any
+    other file refuses the folder, naming it (never skipped silently). A single file is read whatever its name, if
+    it has a suffix (Ray Data's reader picks files by suffix: it is given those of the listed files)."""
+    from mmspec_ray.batch.storage import file_suffixes, parquet_files
 
     src = tmp_path / "in"
     (src / "sub").mkdir(parents=True)
     _write_ids(src / "a.parquet", ["a1", "a2", "a3", "a4"])
     _write_ids(src / "b.PARQUET", ["b1", "b2", "b3", "b4"])
     _write_ids(src / "c.parq", ["c1", "c2"])
-    _write_ids(src / "sub" / "part-00000", ["c3", "c4"])  # no suffix: parquet by its magic bytes
+    _write_ids(src / "sub" / "d.Pq", ["c3", "c4"])
     (src / "_SUCCESS").write_text("")
     (src / ".a.parquet.crc").write_text("crc")
-    names = sorted(p.rsplit("/", 1)[-1] for p in parquet_files(loc(src)))
-    assert names == ["a.parquet", "b.PARQUET", "c.parq", "part-00000"]
+    files = parquet_files(loc(src))
+    assert sorted(p.rsplit("/", 1)[-1] for p in files) == ["a.parquet", "b.PARQUET", "c.parq", "d.Pq"]
+    assert file_suffixes(files) == ["parq", "parquet", "pq"]
     _, ids = scan_input(loc(src))
     assert len(ids) == 12
-    (src / "sub" / "notes.txt").write_text("not parquet")
-    with pytest.raises(JobInputError, match=r"1 file\(s\) that are not parquet \(e\.g\. .*sub/notes\.txt\)"):
+    _write_ids(src / "sub" / "part-00000", ["e1"])  # parquet, but named so that it would not be read
+    (src / "notes.txt").write_text("not parquet")
+    with pytest.raises(JobInputError, match=r"2 file\(s\) not named \*\.parquet, \*\.parq or \*\.pq \(e\.g\. "
+                                            r".*/in/notes\.txt, .*/in/sub/part-00000\)"):
         scan_input(loc(src))
+    single = tmp_path / "rows.bin"
+    _write_ids(single, ["s1"])
+    assert len(scan_input(loc(single))[1]) == 1 and file_suffixes([str(single)]) == ["bin"]
+    with pytest.raises(JobInputError, match="input file part-00000 has no file suffix; name it \\*\\.parquet"):
+        scan_input(loc(src / "sub" / "part-00000"))
 
 
 def test_an_input_spelled_another_way_is_the_same_input(tmp_path, monkeypatch):

@@ -33,7 +33,8 @@ from mmspec_ray.batch.rows import (IMAGE_FIELDS, INTERNAL_COLUMNS, OUTPUT_COLUMN
                                    resolve_image_side)
 from mmspec_ray.batch.stages import keep_ids, prepare_block
 from mmspec_ray.batch.storage import (SUMMARY_NAME, JobInputError, Location, check_disjoint, check_ids, exists,
-                                      input_fingerprints, input_name, locate, parquet_files, scan_input, write_json)
+                                      file_suffixes, input_fingerprints, input_name, locate, parquet_files, scan_input,
+                                      write_json)
 from mmspec_ray.batch.summary import SUMMARY_COLUMNS, format_summary, summarize
 
 log = logging.getLogger(__name__)
@@ -220,7 +221,8 @@ def _build(spec: JobSpec, cfg: DecodeConfig, table: pa.Table | None, source: Loc
     else:
         files = parquet_files(source)
         paths = [f"s3://{f}" for f in files] if source.is_s3 else files
-        ds = ray.data.read_parquet(paths, filesystem=source.fs, file_extensions=None, **task)  # listed: all read
+        # every listed file is read: Ray Data drops files whose suffix is not in file_extensions
+        ds = ray.data.read_parquet(paths, filesystem=source.fs, file_extensions=file_suffixes(files), **task)
         if not full:
             ds = ds.map_batches(keep_ids, fn_kwargs={"ids": todo}, batch_format="pyarrow", batch_size=None, **task)
     ds = ds.repartition(target_num_rows_per_block=spec.rows_per_block)

@@ -64,14 +64,13 @@ def exists(loc: Location) -> bool:
     return loc.fs.get_file_info(loc.path).type != pafs.FileType.NotFound
 
 
-PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")  # read by name (any case); any other file: by its magic bytes
-PARQUET_MAGIC = b"PAR1"
+PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")  # the files of an input folder that are read, in any case
 
 
 def parquet_files(loc: Location) -> list[str]:
-    """Sorted parquet files at `loc`: a file, or every file of a directory searched recursively (`_` / `.` names
-    skipped), each either named *.parquet / *.parq / *.pq in any case or starting with parquet's magic bytes.
-    Refuses (JobInputError) a directory holding any other file, naming it: no file is skipped silently."""
+    """Sorted parquet files at `loc`: a file (whatever its name), or every file of a directory searched recursively
+    (`_` / `.` names skipped) named *.parquet / *.parq / *.pq in any case. Refuses (JobInputError) a directory
+    holding any other file, naming it: no file of the input is skipped silently."""
     info = loc.fs.get_file_info(loc.path)
     if info.type == pafs.FileType.File:
         return [loc.path]
@@ -85,22 +84,24 @@ def parquet_files(loc: Location) -> list[str]:
             continue
         (named if i.path.lower().endswith(PARQUET_SUFFIXES) else other).append(i.path)
     if other:
-        with ThreadPoolExecutor(max_workers=8) as pool:
-            magic = list(pool.map(lambda p: _starts_like_parquet(loc.fs, p), other))
-        refused = [p for p, ok in zip(other, magic) if not ok]
-        if refused:
-            sample = ", ".join(_name(loc, p) for p in refused[:3])
-            raise JobInputError(f"input {loc.uri} holds {len(refused)} file(s) that are not parquet (e.g. {sample}); "
-                                "the job reads every file of an input folder except names starting with _ or . : "
-                                "move them out, or rename them to start with _")
-        named += other
+        sample = ", ".join(_name(loc, p) for p in sorted(other)[:3])
+        raise JobInputError(f"input {loc.uri} holds {len(other)} file(s) not named *.parquet, *.parq or *.pq (e.g. "
+                            f"{sample}); the job reads only those (any case) of an input folder, skipping names that "
+                            "start with _ or . : rename parquet files to *.parquet, and move other files out or "
+                            "rename them to start with _")
     return sorted(named)
 
 
-def _starts_like_parquet(fs: pafs.FileSystem, path: str) -> bool:
-    """Whether a file begins with parquet's magic bytes (one small read; S3: one ranged GET)."""
-    with fs.open_input_file(path) as f:
-        return f.read(len(PARQUET_MAGIC)) == PARQUET_MAGIC
+def file_suffixes(files: list[str]) -> list[str]:
+    """The suffixes (lower case, no dot) of `files`, for a reader that picks files by suffix (Ray Data's
+    read_parquet): every listed file is read. Refuses a file without one (only a single file given by name can be)."""
+    out = set()
+    for path in files:
+        name = path.rsplit("/", 1)[-1]
+        if "." not in name.lstrip("."):
+            raise JobInputError(f"input file {name} has no file suffix; name it *.parquet")
+        out.add(name.rsplit(".", 1)[-1].lower())
+    return sorted(out)
 
 
 def input_fingerprints(loc: Location, files: list[str] | None = None) -> dict[str, dict[str, Any]]:
@@ -235,6 +236,7 @@ def scan_input(loc: Location) -> tuple[pa.Schema, pa.ChunkedArray]:
     files = parquet_files(loc)
     if not files:
         raise JobInputError(f"no parquet files at {loc.uri}; give a parquet file or a directory of them")
+    file_suffixes(files)  # the reader must be able to pick each one
 
     def schema_of(path: str) -> pa.Schema:
         try:
