@@ -136,7 +136,7 @@ def run_datagen(job: DatagenJob, progress_every_s: float = 30.0) -> dict[str, An
     from mmspec_ray.batch.pipeline import job_config
     from mmspec_ray.batch.jobspec import JobSpec
     from mmspec_ray.batch.stages import prepare_block
-    from mmspec_ray.batch.storage import locate, parquet_files, scan_input
+    from mmspec_ray.batch.storage import file_suffixes, locate, parquet_files, scan_input
 
     t0 = time.time()
     spec = JobSpec(input=job.input, output=job.output, decode=job.decode, num_actors=job.num_actors,
@@ -163,7 +163,7 @@ def run_datagen(job: DatagenJob, progress_every_s: float = 30.0) -> dict[str, An
         task = {"num_cpus": job.cpus_per_task}
         files = parquet_files(source)
         ds = ray.data.read_parquet([f"s3://{f}" for f in files] if source.is_s3 else files, filesystem=source.fs,
-                                   **task)
+                                   file_extensions=file_suffixes(files), **task)  # every listed file read
         ds = ds.map_batches(_keep_as_str, fn_kwargs={"ids": todo}, batch_format="pyarrow", batch_size=None, **task)
         ds = ds.repartition(target_num_rows_per_block=job.rows_per_shard)
         ds = ds.map_batches(prepare_block, fn_kwargs={"cfg": actor_cfg}, batch_format="pyarrow", batch_size=None,
