@@ -232,7 +232,8 @@ def check_disjoint(a: Location, b: Location, what: str = "input", other: str = "
 def scan_input(loc: Location) -> tuple[pa.Schema, pa.ChunkedArray]:
     """The schema and `id` column (one chunk per file) of an input parquet file or directory, every file checked up
     front: readable, the same columns with the same types in every file, a string or integer `id`, ids non-null
-    and unique. Errors name the file."""
+    and unique. Errors name the file. A string id that is not UTF-8 comes back as the output writes it
+    (`escape_invalid_utf8`), so that resumes compare like with like."""
     files = parquet_files(loc)
     if not files:
         raise JobInputError(f"no parquet files at {loc.uri}; give a parquet file or a directory of them")
