@@ -28,6 +28,7 @@ from mmspec_ray.media.image import prescale_size
 from mmspec_ray.media.io import read_bytes
 
 LOCAL = S3Config(region="us-east-1")
+W = "0" * 32  # a write id, as parts are named: mmspec-part-<run>_<write id>_<task>-<file>.parquet
 GREEDY = {"target": "/m", "drafter": "ngram", "temperature": 0.0, "max_new_tokens": 8}
 
 
@@ -53,7 +54,7 @@ def test_output_with_foreign_files_and_no_marker_is_refused_untouched(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     part(out / "users-data.parquet", ["a"])
-    part(out / "mmspec-part-x_000000.parquet", ["b"])  # looks like ours, but no marker: not provably ours
+    part(out / f"mmspec-part-x_{W}_000000-0.parquet", ["b"])  # looks like ours, but no marker: not provably ours
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     for overwrite in (False, True):
         with pytest.raises(JobInputError, match="did not write .*marker"):
@@ -64,18 +65,18 @@ def test_output_with_foreign_files_and_no_marker_is_refused_untouched(tmp_path):
 def test_overwrite_deletes_only_the_jobs_own_files(tmp_path):
     out = tmp_path / "out"
     own(out, "x")
-    part(out / "mmspec-part-x_000000.parquet", ["a"])
+    part(out / f"mmspec-part-x_{W}_000000-0.parquet", ["a"])
     (out / "_summary.json").write_text("{}")
     part(out / "users-data.parquet", ["z"])  # dropped in later by someone: never ours to delete
-    part(out / "mmspec-part-users_000000.parquet", ["u"])  # named like a part, but of no run the marker lists
+    part(out / f"mmspec-part-users_{W}_000000-0.parquet", ["u"])  # named like a part, but of no run the marker lists
     (out / "sub").mkdir()
-    part(out / "sub" / "mmspec-part-y_000000.parquet", ["q"])  # not top level: not the job's naming
+    part(out / "sub" / f"mmspec-part-y_{W}_000000-0.parquet", ["q"])  # not top level: not the job's naming
     record = claim(loc(out), GREEDY, "in", overwrite=True).record
     assert sorted(p.name for p in out.iterdir()) == sorted([MARKER_NAME, "users-data.parquet",
-                                                           "mmspec-part-users_000000.parquet", "sub"])
+                                                           f"mmspec-part-users_{W}_000000-0.parquet", "sub"])
     state, _ = scan(loc(out), record)
     assert state.ids.to_pylist() == [] and [f.rsplit("/", 1)[-1] for f in sorted(state.foreign)] == [
-        "mmspec-part-users_000000.parquet", "mmspec-part-y_000000.parquet", "users-data.parquet"]
+        f"mmspec-part-users_{W}_000000-0.parquet", f"mmspec-part-y_{W}_000000-0.parquet", "users-data.parquet"]
 
 
 def test_a_users_file_named_like_a_part_is_never_read_deleted_or_counted(tmp_path):
@@ -84,20 +85,21 @@ def test_a_users_file_named_like_a_part_is_never_read_deleted_or_counted(tmp_pat
     present when it is first resumed as its own, and nothing named later."""
     out = tmp_path / "out"
     record = own(out, "ab12")
-    part(out / "mmspec-part-ab12_000000.parquet", ["a"])
-    part(out / "mmspec-part-zz99_000000.parquet", ["b"])  # the user's, readable
-    (out / "mmspec-part-zz98_000000.parquet").write_bytes(b"PAR1 not really")  # the user's, unreadable
+    part(out / f"mmspec-part-ab12_{W}_000000-0.parquet", ["a"])
+    part(out / f"mmspec-part-zz99_{W}_000000-0.parquet", ["b"])  # the user's, readable
+    (out / f"mmspec-part-zz98_{W}_000000-0.parquet").write_bytes(b"PAR1 not really")  # the user's, unreadable
     state, _ = scan(loc(out), record)
     assert state.ids.to_pylist() == ["a"] and not state.removed
-    assert sorted(f.rsplit("/", 1)[-1] for f in state.foreign) == ["mmspec-part-zz98_000000.parquet",
-                                                                    "mmspec-part-zz99_000000.parquet"]
-    assert (out / "mmspec-part-zz98_000000.parquet").read_bytes() == b"PAR1 not really"
+    assert sorted(f.rsplit("/", 1)[-1] for f in state.foreign) == [f"mmspec-part-zz98_{W}_000000-0.parquet",
+                                                                    f"mmspec-part-zz99_{W}_000000-0.parquet"]
+    assert (out / f"mmspec-part-zz98_{W}_000000-0.parquet").read_bytes() == b"PAR1 not really"
     old = tmp_path / "old"  # an output made when the marker listed no runs (format 1)
     old.mkdir()
     (old / MARKER_NAME).write_text(json.dumps({"format": 1, "input": "in", "settings": GREEDY}))
     part(old / "mmspec-part-0a1b_000000.parquet", ["a"])
     record = claim(loc(old), GREEDY, "in").record
-    assert record["legacy_parts"] == ["0a1b_000000"]
+    legacy = old / "mmspec-part-0a1b_000000.parquet"
+    assert record["parts"] == {legacy.name: legacy.stat().st_size}  # recorded by exact name and size
     record = record_run(loc(old), record, "run1")
     part(old / "mmspec-part-0a1c_000000.parquet", ["b"])  # named later, by no run: not the job's
     state, _ = scan(loc(old), json.loads((old / MARKER_NAME).read_text()))
@@ -149,27 +151,28 @@ def test_a_resume_may_change_only_the_refusal_bounds(tmp_path):
 def test_drop_rows_rewrites_parts_and_a_crash_between_leaves_the_newer(tmp_path):
     out = tmp_path / "out"
     record = own(out, "a", "b", "c")
-    part(out / "mmspec-part-a_000000.parquet", ["r1", "r2", "r3"], [None, "media.unavailable", None])
-    part(out / "mmspec-part-b_000000.parquet", ["r4"], ["media.unavailable"])
-    part(out / "mmspec-part-c_000000.parquet", ["r5"])
-    untouched = (out / "mmspec-part-c_000000.parquet").read_bytes()
+    part(out / f"mmspec-part-a_{W}_000000-0.parquet", ["r1", "r2", "r3"], [None, "media.unavailable", None])
+    part(out / f"mmspec-part-b_{W}_000000-0.parquet", ["r4"], ["media.unavailable"])
+    part(out / f"mmspec-part-c_{W}_000000-0.parquet", ["r5"])
+    untouched = (out / f"mmspec-part-c_{W}_000000-0.parquet").read_bytes()
     state, _ = scan(loc(out), record)
     assert drop_rows(loc(out), state, pa.array(["r2", "r4"])) == 2
     names = sorted(p.name for p in out.glob("mmspec-part-*"))
-    assert names == ["mmspec-part-a_000000.fix1.parquet", "mmspec-part-c_000000.parquet"]
-    assert (out / "mmspec-part-c_000000.parquet").read_bytes() == untouched
+    assert names == [f"mmspec-part-a_{W}_000000-0.fix1.parquet", f"mmspec-part-c_{W}_000000-0.parquet"]
+    assert (out / f"mmspec-part-c_{W}_000000-0.parquet").read_bytes() == untouched
     state, _ = scan(loc(out), record)
     assert sorted(state.ids.to_pylist()) == ["r1", "r3", "r5"]
     # a crash after writing generation 2 but before deleting generation 1: the scan keeps generation 2 only
-    part(out / "mmspec-part-a_000000.fix2.parquet", ["r1"])
+    part(out / f"mmspec-part-a_{W}_000000-0.fix2.parquet", ["r1"])
     state, _ = scan(loc(out), record)
-    assert sorted(state.ids.to_pylist()) == ["r1", "r5"] and not (out / "mmspec-part-a_000000.fix1.parquet").exists()
+    assert sorted(state.ids.to_pylist()) == ["r1", "r5"]
+    assert not (out / f"mmspec-part-a_{W}_000000-0.fix1.parquet").exists()
     # a crash in the middle of writing generation 3 (torn): generation 2 stays live, its rows are not lost
-    (out / "mmspec-part-a_000000.fix3.parquet").write_bytes((out / "mmspec-part-a_000000.fix2.parquet")
+    (out / f"mmspec-part-a_{W}_000000-0.fix3.parquet").write_bytes((out / f"mmspec-part-a_{W}_000000-0.fix2.parquet")
                                                             .read_bytes()[:-12])
     state, _ = scan(loc(out), record)
-    assert sorted(state.ids.to_pylist()) == ["r1", "r5"] and (out / "mmspec-part-a_000000.fix2.parquet").exists()
-    assert [p.rsplit("/", 1)[-1] for p in state.removed] == ["mmspec-part-a_000000.fix3.parquet"]
+    assert sorted(state.ids.to_pylist()) == ["r1", "r5"] and (out / f"mmspec-part-a_{W}_000000-0.fix2.parquet").exists()
+    assert [p.rsplit("/", 1)[-1] for p in state.removed] == [f"mmspec-part-a_{W}_000000-0.fix3.parquet"]
 
 
 def test_overlap_through_a_symlink_is_refused(tmp_path):
@@ -199,7 +202,7 @@ def test_a_failing_read_never_deletes_a_part_and_old_parts_lack_columns_harmless
 
     out = tmp_path / "out"
     record = own(out, "old")
-    pq.write_table(pa.table({"id": ["a"]}), out / "mmspec-part-old_000000.parquet")  # written before error_kind
+    pq.write_table(pa.table({"id": ["a"]}), out / f"mmspec-part-old_{W}_000000-0.parquet")  # written before error_kind
     state, table = scan(loc(out), record, ["error_kind"])
     assert table.column("error_kind").to_pylist() == [None] and not state.removed
 
@@ -210,7 +213,7 @@ def test_a_failing_read_never_deletes_a_part_and_old_parts_lack_columns_harmless
     monkeypatch.setattr(output.time, "sleep", lambda s: None)
     with pytest.raises(JobInputError, match="nothing was deleted"):
         scan(loc(out), record, ["error_kind"])
-    assert (out / "mmspec-part-old_000000.parquet").exists()
+    assert (out / f"mmspec-part-old_{W}_000000-0.parquet").exists()
 
 
 def test_transient_s3_errors_are_told_from_final_ones():
@@ -582,7 +585,7 @@ def test_redecode_changed_takes_out_the_changed_files_rows_only_whatever_the_lim
     files = parquet_files(loc(src))
     record = claim(loc(out), GREEDY, "in", input_fingerprints(loc(src), files)).record
     record = record_run(loc(out), record, "r1")
-    part(out / "mmspec-part-r1_x_000000.parquet", ["a1", "a2", "b1", "b2", "b3"])
+    part(out / f"mmspec-part-r1_{W}_000000-0.parquet", ["a1", "a2", "b1", "b2", "b3"])
     _time.sleep(0.01)
     pq.write_table(pa.table({"id": ["b1", "b2"]}), src / "b.parquet")  # b3 leaves the input, b1 b2 change
     prints = input_fingerprints(loc(src), files)

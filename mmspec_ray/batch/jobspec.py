@@ -146,6 +146,8 @@ class JobSpec(BaseModel):
                                       "(None: one file per block; rows not yet in a file are redone on resume)")
     limit: int | None = Field(None, ge=1, description="only the first N input rows (stable across re-runs)")
     overwrite: bool = Field(False, description="delete the job's existing output first instead of resuming")
+    break_lease: bool = Field(False, description="take the output's lease even if another job holds it (after a "
+                              "crash, instead of waiting for the lease to expire); never while that job still runs")
     redecode_changed: bool = Field(False, description="resume after the input changed: decode the rows of the new or "
                                    "changed input files again and drop rows no longer in the input (without it such "
                                    "a resume is refused)")

@@ -1,11 +1,15 @@
 """The job's output directory: what it owns, what it already holds, and what produced it.
 
 Safety rules (a job must never lose a user's data):
+- One job per output at a time: the job holds the output's lease (batch/lease.py) before it reads or writes
+  anything there.
 - The job claims an output directory by writing a marker (`_mmspec_job.json`) before anything else; a directory
   that holds any file but no marker is refused, never written into or cleaned.
-- The job only ever reads back, rewrites or deletes the parquet parts it wrote: top-level files named by its naming
-  (`mmspec-part-<run>_...parquet`) whose run token the marker lists (each run records its token before it writes).
-  Any other file there, a user's file named like a part included, is left alone and only reported.
+- The job only ever reads back, rewrites or deletes the parquet parts it wrote: the exact top-level file names (and
+  sizes) the marker records for every run that ended, and, for a run that started but never ended (it crashed),
+  the files named exactly as the writer names that run's parts (`mmspec-part-<run>_<write id>_<task>-<n>.parquet`,
+  `.fix<N>` for a rewrite). Any other file there, a user's file named like a part included, is left alone and only
+  reported.
 - The marker records the settings that decide the output text and a fingerprint of each input file (size and
   modification time, or a content hash); a resume with other settings, or of an input that changed since, is
   refused (the changed rows can be decoded again on request: `redecode_changed`).
@@ -19,7 +23,7 @@ import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
@@ -30,6 +34,7 @@ from pyarrow import fs as pafs
 from ray.data.datasource import FilenameProvider
 
 from mmspec_ray.batch.jobspec import REFUSAL_ONLY_MEDIA
+from mmspec_ray.batch.lease import is_lease_file
 from mmspec_ray.batch.storage import (SUMMARY_NAME, JobInputError, Location, canonical_uri, changed_names, exists,
                                       fingerprint_changes, read_json, same_input, write_json)
 from mmspec_ray.media.io import is_transient
@@ -41,7 +46,13 @@ PART_PREFIX = "mmspec-part-"
 # `mmspec-part-<base>.parquet`, or `mmspec-part-<base>.fix<N>.parquet`: generation N of that part after a retry
 # rewrote it without the rows being redone. Of one base only the highest generation is live.
 _PART = re.compile(r"^mmspec-part-(?P<base>[A-Za-z0-9_\-]+?)(?:\.fix(?P<gen>\d+))?\.parquet$")
-MARKER_FORMAT = 2  # 2: run tokens and input fingerprints (a format-1 marker is upgraded on resume)
+# Exactly what the writer names a run's parts: PartNames' `<run>_<write id: 32 hex>_<task: 6 digits>` and Ray
+# Data's `-<file index>` (absent in older Ray versions), then a rewrite's `.fix<N>`.
+_WRITTEN = re.compile(r"^mmspec-part-(?P<run>[0-9A-Za-z]+)_[0-9a-f]{32}_\d{6}(?:-\d+)?"
+                      r"(?:\.fix\d+)?\.parquet$")
+# 3: the exact names and sizes of the parts of each run that ended (`parts`, `sealed`);
+# 2: run tokens and input fingerprints; 1: parts recognised by name. Older markers are upgraded on resume.
+MARKER_FORMAT = 3
 _READ_TRIES = 4  # a transiently failing part read: 4 tries over ~7 s, then the job stops (deleting nothing)
 # Settings that may differ on a resume when decoding is greedy: they change speed (or unused sampling knobs),
 # never the text.
@@ -72,6 +83,8 @@ class OutputState:
     ids: pa.Array  # ids of rows already written (duplicates kept, so they can be reported)
     removed: list[str]  # the job's own parts deleted: unreadable (a write cut off by a crash) or superseded
     foreign: list[str]  # files the job did not write (left alone)
+    record: dict[str, Any] = field(default_factory=dict)  # the marker the parts were told by
+    sizes: dict[str, int] = field(default_factory=dict)  # size of each live part, by path
 
 
 @dataclass(frozen=True)
@@ -99,14 +112,28 @@ def _is_top(loc: Location, path: str) -> bool:
     return "/" not in path[len(loc.path):].strip("/")
 
 
-def owns(loc: Location, record: dict[str, Any], path: str) -> bool:
-    """Whether `path` is a part this job wrote: top level, the job's naming, and a run token its marker lists (or,
-    for output made before markers listed runs, a part present when the marker was upgraded)."""
-    parsed = _parse(path) if _is_top(loc, path) else None
-    if parsed is None:
+def _name(path: str) -> str:
+    return path.rsplit("/", 1)[-1]
+
+
+def owns(loc: Location, record: dict[str, Any], path: str, size: int | None = None) -> bool:
+    """Whether `path` (of `size` bytes) is a part this job wrote: at the top level, and either a name the marker
+    records (at that size; a pending rewrite records none), or named exactly as the writer names the parts of a
+    run the marker lists as started but not ended (a crashed run, or this one). A token inside another name, such as
+    a user's `mmspec-part-<run>_backup.parquet`, is not the job's."""
+    if not _is_top(loc, path):
         return False
-    base = parsed[0]
-    return base.split("_", 1)[0] in record.get("runs", ()) or base in record.get("legacy_parts", ())
+    name = _name(path)
+    parts = record.get("parts") or {}
+    if name in parts:
+        return parts[name] is None or size is None or parts[name] == size
+    m = _WRITTEN.match(name)
+    return bool(m) and m["run"] in record.get("runs", ()) and m["run"] not in record.get("sealed", ())
+
+
+def _job_file(name: str) -> bool:
+    """The marker, the summary and the lease: the job's own bookkeeping, never parts and never foreign."""
+    return name in (MARKER_NAME, SUMMARY_NAME) or is_lease_file(name)
 
 
 def claim(loc: Location, settings: dict[str, Any], input_uri: str,
@@ -122,7 +149,7 @@ def claim(loc: Location, settings: dict[str, Any], input_uri: str,
     settings differ in a way that changes the text. With `overwrite`, the job's own files are deleted first
     (foreign ones never), but only for the same input: another job's answers are not this job's to delete."""
     marker = loc.child(MARKER_NAME)
-    files = _listing(loc)
+    files = [i for i in _listing(loc) if not (_is_top(loc, i.path) and is_lease_file(_name(i.path)))]
     has_marker = any(i.path.rstrip("/") == marker.path for i in files)
     if files and not has_marker:
         sample = ", ".join(i.path.rsplit("/", 1)[-1] for i in files[:3])
@@ -135,7 +162,7 @@ def claim(loc: Location, settings: dict[str, Any], input_uri: str,
                             f"this job reads {canonical_uri(input_uri)!r}, whose files differ. Use a new --output "
                             "for it, or --redecode-changed if it is a copy of that input with some files changed")
     if has_marker and overwrite:
-        own = [i.path for i in files if owns(loc, record, i.path) or
+        own = [i.path for i in files if owns(loc, record, i.path, i.size) or
                (_is_top(loc, i.path) and i.path.endswith("/" + SUMMARY_NAME))]
         for p in own:
             loc.fs.delete_file(p)
@@ -159,7 +186,8 @@ def claim(loc: Location, settings: dict[str, Any], input_uri: str,
         names = changed_names(old, fingerprints) if changed else []
         return Claim(record, changed, names)
     record = {"format": MARKER_FORMAT, "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "input": canonical_uri(input_uri), "input_files": fingerprints, "settings": settings, "runs": []}
+              "input": canonical_uri(input_uri), "input_files": fingerprints, "settings": settings, "runs": [],
+              "sealed": [], "parts": {}}
     write_json(marker, record)
     return Claim(record, [], [])
 
@@ -175,14 +203,31 @@ def record_run(loc: Location, record: dict[str, Any], run: str,
 
 
 def _upgrade(loc: Location, record: dict[str, Any], files: list[pafs.FileInfo]) -> dict[str, Any]:
-    """A format-1 marker (parts recognised by name, no input fingerprints) as format 2: the parts named like the
-    job's present now become its legacy parts; the input's fingerprints are recorded by this run."""
-    if record.get("format", 1) >= 2:
+    """An older marker as the current format. Format 1 (parts recognised by name, no input fingerprints): the
+    parts named like the job's present now are recorded as its own, by name and size; the input's fingerprints are
+    recorded by this run. Format 2 (run tokens): its runs count as not ended, so their parts are told by the
+    writer's exact naming until this run ends and records them; the parts format 1 left (`legacy_parts`, by base
+    name) are recorded by name and size."""
+    fmt = record.get("format", 1)
+    if fmt >= 3:
         return record
-    legacy = sorted({_parse(i.path)[0] for i in files if _is_top(loc, i.path) and _parse(i.path)})
-    log.info("output %s: marker from an earlier version; %d parts named like the job's are taken as its own",
-             loc.uri, len(legacy))
-    return {**record, "format": MARKER_FORMAT, "runs": [], "legacy_parts": legacy}
+    top = [i for i in files if _is_top(loc, i.path) and _parse(i.path)]
+    legacy = set(record.get("legacy_parts", ())) if fmt == 2 else {_parse(i.path)[0] for i in top}
+    parts = {_name(i.path): i.size for i in top if _parse(i.path)[0] in legacy}
+    log.info("output %s: marker from an earlier version (format %d); %d parts named like the job's are taken as its "
+             "own", loc.uri, fmt, len(parts))
+    out = {k: v for k, v in record.items() if k != "legacy_parts"}
+    return {**out, "format": MARKER_FORMAT, "runs": record.get("runs", []) if fmt == 2 else [], "sealed": [],
+            "parts": parts}
+
+
+def seal(loc: Location, record: dict[str, Any], state: OutputState) -> dict[str, Any]:
+    """Record the end of every run so far: the job's live parts by exact name and size (from now on the only files
+    of these runs it owns; a copy of one under another name, or a file put in its place, is not the job's)."""
+    record = {**record, "sealed": list(record.get("runs", [])),
+              "parts": {_name(p): state.sizes.get(p) for p in state.files}}
+    write_json(loc.child(MARKER_NAME), record)
+    return record
 
 
 def settings_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -213,10 +258,10 @@ def scan(loc: Location, record: dict[str, Any], columns: list[str] | None = None
     mine: dict[str, list[tuple[int, str]]] = {}
     foreign = []
     for i in infos:
-        if owns(loc, record, i.path):
-            parsed = _parse(i.path)
+        parsed = _parse(i.path)
+        if parsed and owns(loc, record, i.path, i.size):
             mine.setdefault(parsed[0], []).append((parsed[1], i.path))
-        elif i.path.rsplit("/", 1)[-1] not in (MARKER_NAME, SUMMARY_NAME):
+        elif not (_is_top(loc, i.path) and _job_file(_name(i.path))):
             foreign.append(i.path)
     if foreign:
         log.warning("output %s holds %d file(s) this job did not write (e.g. %s): ignored, left in place", loc.uri,
@@ -272,29 +317,95 @@ def scan(loc: Location, record: dict[str, Any], columns: list[str] | None = None
             parts.append(t)
     table = pa.concat_tables(parts, promote_options="permissive") if parts else None
     ids = table.column("id").combine_chunks() if table is not None else pa.array([], type=pa.string())
-    return OutputState(good, ids, removed, foreign), table
+    live = set(good)
+    sizes = {i.path: i.size for i in infos if i.path in live}
+    return OutputState(good, ids, removed, foreign, record, sizes), table
 
 
 def drop_rows(loc: Location, state: OutputState, ids: pa.Array) -> int:
     """Take the rows `ids` out of the output so that this run decodes them again; every other row stays as it was
-    (not decoded again). Each part holding some is rewritten as its next generation, then the old one deleted: a
-    crash in between leaves both, and the next scan keeps the newer one."""
-    dropped = 0
+    (not decoded again). See `_rewrite`."""
+    drop = {}
     for path in state.files:
-        table = pq.read_table(path, filesystem=loc.fs)
-        hit = pc.is_in(table.column("id"), value_set=ids.cast(table.column("id").type))
-        n = int(pc.sum(hit).as_py() or 0)
-        if not n:
-            continue
-        keep = table.filter(pc.invert(hit))
-        if keep.num_rows:
-            base, gen = _parse(path)
-            new = f"{path.rsplit('/', 1)[0]}/{PART_PREFIX}{base}.fix{gen + 1}.parquet"
-            with loc.fs.open_output_stream(new) as f:
-                pq.write_table(keep, f)
-        loc.fs.delete_file(path)
-        dropped += n
-    return dropped
+        got = pq.read_table(path, columns=["id"], filesystem=loc.fs).column("id")
+        drop[path] = pc.is_in(got, value_set=ids.cast(got.type)).combine_chunks()
+    return _rewrite(loc, state, drop)
+
+
+def drop_duplicates(loc: Location, state: OutputState) -> int:
+    """Keep one row per id in the job's live parts, dropping the others (two jobs that wrote into one output both
+    answered those rows; each copy lies in a part the job owns, so each is provably the job's). The row kept is a
+    successful one where there is one, else the first, in part order."""
+    counts = pc.value_counts(state.ids)
+    dups = counts.filter(pc.greater(counts.field("counts"), 1)).field("values")
+    if not len(dups):
+        return 0
+    kept: dict[Any, tuple[str, int, bool]] = {}  # id -> (part, row, ok) of the copy kept so far
+    tables = {}
+    for path in state.files:
+        have = pq.ParquetFile(path, filesystem=loc.fs).schema_arrow.names
+        t = pq.read_table(path, columns=[c for c in ("id", "error_kind") if c in have], filesystem=loc.fs)
+        tables[path] = t
+        ok = t.column("error_kind").is_null().to_pylist() if "error_kind" in have else [True] * t.num_rows
+        hit = pc.is_in(t.column("id"), value_set=dups.cast(t.column("id").type)).to_pylist()
+        for row, (rid, good, dup) in enumerate(zip(t.column("id").to_pylist(), ok, hit)):
+            if dup and (rid not in kept or (good and not kept[rid][2])):
+                kept[rid] = (path, row, good)
+    keep_rows: dict[str, set[int]] = {}
+    for path, row, _ in kept.values():
+        keep_rows.setdefault(path, set()).add(row)
+    drop = {}
+    for path, t in tables.items():
+        hit = pc.is_in(t.column("id"), value_set=dups.cast(t.column("id").type)).to_pylist()
+        drop[path] = pa.array([h and r not in keep_rows.get(path, ()) for r, h in enumerate(hit)], pa.bool_())
+    n = _rewrite(loc, state, drop)
+    log.warning("output %s held %d duplicate rows of %d ids, all in parts this job wrote (two jobs wrote into it at "
+                "once): dropped, one row per id kept", loc.uri, n, len(dups))
+    return n
+
+
+def _rewrite(loc: Location, state: OutputState, drop: dict[str, pa.Array]) -> int:
+    """Drop the rows `drop[path]` flags from each live part: a part holding some is rewritten as its next
+    generation, then the old one deleted (a crash in between leaves both, and the next scan keeps the newer one).
+    The marker records each new name before it is written and its size after, so the job still owns it."""
+    hits = {p: int(pc.sum(m).as_py() or 0) for p, m in drop.items() if p in state.files}
+    hits = {p: n for p, n in hits.items() if n}
+    if not hits:
+        return 0
+    keeps = {p: pq.read_table(p, filesystem=loc.fs).filter(pc.invert(drop[p])) for p in hits}
+    new = {p: _next_generation(loc, p) for p, t in keeps.items() if t.num_rows}
+    record = state.record
+    if record:
+        record = _record_parts(loc, record, {_name(n): None for n in new.values()}, [])
+    sizes = {}
+    for p in hits:
+        if p in new:
+            with loc.fs.open_output_stream(new[p]) as f:
+                pq.write_table(keeps[p], f)
+            sizes[_name(new[p])] = loc.fs.get_file_info(new[p]).size
+        loc.fs.delete_file(p)
+    if record:
+        _record_parts(loc, record, sizes, [_name(p) for p in hits])
+    return sum(hits.values())
+
+
+def _next_generation(loc: Location, path: str) -> str:
+    """The name of a part's next generation, past any file already there (never written over)."""
+    base, gen = _parse(path)
+    while True:
+        gen += 1
+        new = f"{path.rsplit('/', 1)[0]}/{PART_PREFIX}{base}.fix{gen}.parquet"
+        if loc.fs.get_file_info(new).type == pafs.FileType.NotFound:
+            return new
+
+
+def _record_parts(loc: Location, record: dict[str, Any], add: dict[str, int | None],
+                  remove: list[str]) -> dict[str, Any]:
+    """Write the marker with the part names `add` recorded (size None: being written) and `remove` forgotten."""
+    parts = {k: v for k, v in (record.get("parts") or {}).items() if k not in remove}
+    record = {**record, "parts": {**parts, **add}}
+    write_json(loc.child(MARKER_NAME), record)
+    return record
 
 
 def read_marker(loc: Location) -> dict[str, Any]:

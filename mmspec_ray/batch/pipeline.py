@@ -24,7 +24,9 @@ import ray
 
 from mmspec_ray.batch.cluster import check_gpus, check_local_gpus, connect_ray, plan_actor_cpus, release_failed_run
 from mmspec_ray.batch.decoder import SpecDecoder
-from mmspec_ray.batch.output import Claim, OutputState, PartNames, claim, drop_rows, new_run_token, record_run
+from mmspec_ray.batch.lease import Lease, hold
+from mmspec_ray.batch.output import (Claim, OutputState, PartNames, claim, drop_duplicates, drop_rows, new_run_token,
+                                     read_marker, record_run, seal)
 from mmspec_ray.batch.output import scan as scan_output
 from mmspec_ray.batch.plan import check_drafter, check_gpu, format_plan, make_plan, probe_gpu, resolve_gpus
 from mmspec_ray.batch.progress import ProgressPrinter, ProgressTracker
@@ -71,6 +73,19 @@ def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = Sp
         drafter_why = choice.why
     check_drafter(spec.decode)  # on this driver, before Ray starts or anything is written
     check_local_gpus(spec)
+    job = dict(out=out, source=source, table=table, ids=ids, per_file=per_file, n_input=n_input,
+               drafter_why=drafter_why, decoder_cls=decoder_cls, row_fn=row_fn, t_start=t_start)
+    if dry_run:
+        return _run(spec, **job, dry_run=True, lease=None)
+    with hold(out, spec.decode.s3, spec.break_lease) as lease:  # one job per output: a second one stops here
+        return _run(spec, **job, dry_run=False, lease=lease)
+
+
+def _run(spec: JobSpec, out: Location, source: Location | None, table: pa.Table | None, ids: pa.Array,
+         per_file: pa.ChunkedArray, n_input: int, drafter_why: str | None, decoder_cls: type,
+         row_fn: Callable[..., Any], t_start: float, dry_run: bool, lease: Lease | None) -> dict[str, Any]:
+    """The job once its input is checked and (unless a dry run) its output's lease is held: plan, claim the output,
+    tidy it (this job's duplicate rows, changed inputs, retried rows), decode the rest, record and summarize."""
     connect_ray()  # resources follow the cluster: GPUs per actor, and the dtype that follows the device
     gpus = resolve_gpus(spec)
     spec = spec.model_copy(update={"gpus_per_actor": gpus})
@@ -91,13 +106,18 @@ def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = Sp
     claimed = claim(out, cfg.text_settings(), spec.input, prints, overwrite=spec.overwrite,
                     redecode_changed=spec.redecode_changed)
     state, done = scan_output(out, claimed.record, ["error_kind"])
+    deduped = drop_duplicates(out, state)
+    if deduped:
+        state, done = scan_output(out, read_marker(out), ["error_kind"])
     redone = _drop_changed(out, state, claimed, per_file, files, in_loc)
     run = new_run_token()
-    record = record_run(out, claimed.record, run, prints)  # before any part of this run is written
+    # before any part of this run is written (a drop above recorded its rewritten parts in the marker)
+    record = record_run(out, read_marker(out) if deduped or redone else claimed.record, run, prints)
     if redone:
         state, done = scan_output(out, record, ["error_kind"])
     retried = _drop_retries(out, state, done, ids, spec)
     if retried:
+        record = read_marker(out)
         state, _ = scan_output(out, record)
     todo = ids.filter(pc.invert(pc.is_in(ids, value_set=state.ids.cast(ids.type))))
     plan["to_decode"] = len(todo)
@@ -123,7 +143,10 @@ def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = Sp
             ray.kill(tracker)
     wall = time.time() - t_run
     end_state, written = scan_output(out, record, SUMMARY_COLUMNS)
+    lease.check()  # another job may have written here: its rows are not recorded as this job's
+    seal(out, record, end_state)
     meta = _meta(spec, t_start, state.removed + end_state.removed, end_state.foreign, retried)
+    meta["duplicates_dropped"] = deduped
     summary = summarize(written, ids, todo, wall, meta, progress)
     summary["retryable_rows"] = sum(summary["all_rows"]["errors_by_kind"].get(k, 0) for k in RETRYABLE_KINDS)
     summary["plan"] = plan

@@ -103,7 +103,14 @@ def format_summary(s: dict[str, Any]) -> str:
             f", {s['duplicates']} duplicates, {s['missing']} missing{other}); this run {r['rows']} rows "
             f"({s['skipped_already_done']} already done) in {r['wall_seconds']:.1f} s, "
             f"{r['output_tokens_per_s'] or 0.0:.1f} output tok/s; errors: {kinds}; "
-            f"mean accepted/cycle {acc if acc is None else round(acc, 3)}" + _speedup_text(r.get("speedup_vs_ar"), s))
+            f"mean accepted/cycle {acc if acc is None else round(acc, 3)}" + _speedup_text(r.get("speedup_vs_ar"), s)
+            + _deduped_text(s))
+
+
+def _deduped_text(s: dict[str, Any]) -> str:
+    n = s.get("duplicates_dropped")
+    return (f"; {n} duplicate rows (two jobs wrote into this output) dropped from the job's own parts, one row per "
+            "id kept") if n else ""
 
 
 def _speedup_text(m: dict[str, Any] | None, s: dict[str, Any]) -> str:
