@@ -450,3 +450,72 @@ def test_row_that_kills_the_media_stage_is_filed_as_crash_then_retried_on_reques
     out = read_output(s3_server, f"s3://{b}/out/")
     assert_exactly_once(out, [r["id"] for r in rows])
     assert_matches_reference(out, requests, reference)
+
+
+# ---------------- two jobs on one output ----------------
+
+class HeldDecoder(SpecDecoder):
+    """Decodes only once `go` (a local file) exists: the job holds its output while the test starts another."""
+
+    go = ""
+
+    def __call__(self, batch):
+        deadline = time.time() + 120
+        while not os.path.exists(self.go) and time.time() < deadline:
+            time.sleep(0.2)
+        return super().__call__(batch)
+
+
+def test_two_jobs_on_one_output_one_runs_and_a_resume_drops_its_duplicates(s3_server, ray_cluster, ckpt, reference,
+                                                                         tmp_path, capsys):
+    """A second job on an output in use is refused in one line (exit 2) before Ray or any write; the first one
+    completes. Then a state two overlapping jobs left before outputs had a lease (two runs that wrote the same
+    rows), plus a user's backup of a part: a resume drops the job's own duplicate rows, one per id kept, says so,
+    and neither counts nor touches the backup."""
+    import threading
+
+    from mmspec_ray.batch.lease import LEASE_NAME
+    from mmspec_ray.batch.output import MARKER_NAME as MARKER
+    from mmspec_ray.batch.output import read_marker, record_run
+
+    b = s3_server.new_bucket("race")
+    rows, requests = image_rows(s3_server, b, 4, seed=11)
+    src = put_parquet(s3_server, b, "in/part-0.parquet", rows, ROW_SCHEMA)
+    out_uri = f"s3://{b}/out/"
+    spec = spec_for(s3_server, ckpt, src, out_uri)
+    HeldDecoder.go = str(tmp_path / "go")
+    first: dict = {}
+    job_a = threading.Thread(target=lambda: first.update(summary=run_job(spec, decoder_cls=HeldDecoder)))
+    job_a.start()
+    out = locate(out_uri, s3_server.s3_config)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (f"out/{MARKER}" in s3_keys(s3_server, b) and read_marker(out)["runs"]):
+        time.sleep(0.2)  # the first job holds the lease, claimed the output, and waits to decode
+    before = {k: v for k, v in s3_keys(s3_server, b).items() if k != f"out/{LEASE_NAME}"}
+    rc = job_main(["--input", src, "--output", out_uri, "--target", ckpt, "--drafter", "ngram",
+                   "--s3-endpoint", s3_server.endpoint_url, "--max-new-tokens", str(MAX_NEW)], "instruct")
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "in use by another job" in err, err
+    assert {k: v for k, v in s3_keys(s3_server, b).items() if k != f"out/{LEASE_NAME}"} == before
+    (tmp_path / "go").touch()
+    job_a.join(timeout=300)
+    assert first["summary"]["complete"] and first["summary"]["run"]["rows"] == len(rows)
+    assert f"out/{LEASE_NAME}" not in s3_keys(s3_server, b)  # released at the end
+
+    parts = sorted(k for k in s3_keys(s3_server, b) if k.startswith("out/mmspec-part-"))
+    other = "0ther0job0ab"  # a run of an overlapping job, which wrote the first part's rows again
+    record_run(out, read_marker(out), other)
+    dup = s3_keys(s3_server, b)[parts[0]]
+    s3_server.put(b, f"out/mmspec-part-{other}_{'1' * 32}_000000-0.parquet", dup)
+    run_a = parts[0].split("mmspec-part-", 1)[1].split("_", 1)[0]
+    backup = s3_server.put(b, f"out/mmspec-part-{run_a}_backup.parquet", dup)
+    n_dup = pq.read_table(io.BytesIO(dup)).num_rows
+    resumed = run_job(spec)
+    assert resumed["complete"] and resumed["duplicates"] == 0 and resumed["duplicates_dropped"] == n_dup
+    assert resumed["run"]["rows"] == 0 and resumed["foreign_files"] == [backup.rsplit("/", 1)[1]]
+    assert s3_keys(s3_server, b)[backup[len(f"s3://{b}/"):]] == dup
+    keys = [k for k in s3_keys(s3_server, b) if k.startswith("out/mmspec-part-") and "backup" not in k]
+    table = pa.concat_tables([pq.read_table(io.BytesIO(s3_keys(s3_server, b)[k])) for k in keys],
+                             promote_options="permissive")
+    assert_exactly_once(table, [r["id"] for r in rows])
+    assert_matches_reference(table, requests, reference)
