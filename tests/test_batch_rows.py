@@ -265,17 +265,18 @@ def test_keep_ids_and_check_ids():
 def test_scan_output_drops_torn_parts(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    pq.write_table(pa.table({"id": ["a", "b"], "v": [1, 2]}), out / "mmspec-part-ab12_000000.parquet")
+    W = "0" * 32  # a write id: parts are named mmspec-part-<run>_<write id>_<task>-<file>.parquet
+    pq.write_table(pa.table({"id": ["a", "b"], "v": [1, 2]}), out / f"mmspec-part-ab12_{W}_000000-0.parquet")
     good = io.BytesIO()
     pq.write_table(pa.table({"id": ["c"], "v": [3]}), good)
     torn = good.getvalue()[:-20]  # a write cut off by a crash
-    (out / "mmspec-part-ab12_000001.parquet").write_bytes(torn)
+    (out / f"mmspec-part-ab12_{W}_000001-0.parquet").write_bytes(torn)
     (out / "users-own.parquet").write_bytes(torn)  # not the job's: never read, never deleted
     (out / "_summary.json").write_text("{}")
     state, table = scan_output(locate(str(out), LOCAL), {"runs": ["ab12"]}, ["v"])
     assert sorted(state.ids.to_pylist()) == ["a", "b"] and table.column("v").to_pylist() == [1, 2]
-    assert [p.endswith("mmspec-part-ab12_000001.parquet") for p in state.removed] == [True]
-    assert not (out / "mmspec-part-ab12_000001.parquet").exists() and (out / "_summary.json").exists()
+    assert [p.endswith(f"mmspec-part-ab12_{W}_000001-0.parquet") for p in state.removed] == [True]
+    assert not (out / f"mmspec-part-ab12_{W}_000001-0.parquet").exists() and (out / "_summary.json").exists()
     assert (out / "users-own.parquet").read_bytes() == torn
     assert [p.endswith("users-own.parquet") for p in state.foreign] == [True]
 
