@@ -91,6 +91,68 @@ def test_dry_run_prints_the_plan_loads_no_model_and_writes_nothing(gpu_cluster, 
     assert "calibrated on this machine" in text
 
 
+def test_a_dry_run_refuses_exactly_what_the_run_refuses(gpu_cluster, ckpt, tmp_path, requests_parquet, capsys):
+    """Every check the run makes on its output, the dry run makes too, writing nothing: an output made with other
+    settings, another input, a changed input (with --overwrite: another input still refused), files the job did not
+    write, an output that is a file, a lease another job holds. Where the run would resume, the dry run says so; with
+    --overwrite it plans every row."""
+    from mmspec_ray.batch.lease import acquire
+    from mmspec_ray.batch.output import claim
+    from mmspec_ray.batch.pipeline import job_config
+    from mmspec_ray.batch.storage import input_fingerprints, locate, parquet_files
+
+    def spec_for(out: Path, src: str = requests_parquet, **over) -> JobSpec:
+        return JobSpec(input=src, output=str(out), gpus_per_actor=0, **over,
+                       decode=DecodeConfig(target=ckpt, drafter="ngram", device="cpu", max_new_tokens=8))
+
+    def made(out: Path, src: str = requests_parquet) -> None:  # an output this job made earlier
+        s3, spec = spec_for(out).decode.s3, spec_for(out, src)
+        src_loc = locate(src, s3)
+        claim(locate(str(out), s3), job_config(spec).text_settings(), src,
+              input_fingerprints(src_loc, parquet_files(src_loc)))
+
+    def both(spec: JobSpec, match: str) -> None:
+        before = sorted(p.name for p in Path(spec.output).iterdir()) if Path(spec.output).is_dir() else None
+        for dry in (True, False):
+            with pytest.raises(JobInputError, match=match):
+                run_job(spec, dry_run=dry)
+            after = sorted(p.name for p in Path(spec.output).iterdir()) if Path(spec.output).is_dir() else None
+            assert after == before, (dry, before, after)
+
+    other = tmp_path / "other.parquet"
+    pq.write_table(pa.table({"id": ["z"], "prompt": ["p"], "image": [b"x"]}), other)
+    out = tmp_path / "out"
+    made(out)
+    run_job(spec_for(out), dry_run=True)
+    assert "the output exists: a run decodes only the rows not in it yet" in capsys.readouterr().out
+    run_job(spec_for(out, overwrite=True), dry_run=True)
+    assert "3 to decode" in capsys.readouterr().out
+    other_settings = spec_for(out)
+    other_settings = other_settings.model_copy(update={"decode": other_settings.decode.model_copy(
+        update={"max_new_tokens": 9})})
+    both(other_settings, "other decoding settings")
+    both(spec_for(out, str(other)), "holds the answers of another job")
+    both(spec_for(out, str(other), overwrite=True), "holds the answers of another job")
+    changed = tmp_path / "changed" / "in.parquet"
+    changed.parent.mkdir()
+    shutil.copy(requests_parquet, changed)
+    made(tmp_path / "out2", str(changed))
+    table = pq.read_table(changed)
+    pq.write_table(table.set_column(1, "prompt", pa.array(["another prompt"] * len(table))), changed)
+    both(spec_for(tmp_path / "out2", str(changed)), "the input changed")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    both(spec_for(foreign), "that this job did not write")
+    (tmp_path / "a-file").write_text("x")
+    both(spec_for(tmp_path / "a-file"), "is a file")
+    lease = acquire(locate(str(out), spec_for(out).decode.s3), spec_for(out).decode.s3)
+    try:
+        both(spec_for(out), "is in use by another job")
+    finally:
+        lease.release()
+
+
 def test_the_plan_packs_fractional_actors_and_refuses_a_target_that_cannot_fit(ckpt):
     layout = read_layout(ckpt)
     need = memory_need(layout, "bfloat16", 128)

@@ -345,6 +345,14 @@ def _held_line(out: Location, other: dict[str, Any]) -> str:
             "re-run after the lease expires, or at once with --break-lease")
 
 
+def check_free(out: Location, s3: S3Config, break_lease: bool = False) -> None:
+    """LeaseHeld (one line) when another job holds a live lease on `out`: what `acquire` would refuse, taking
+    nothing (a dry run's check)."""
+    held = _store(out, s3).read()
+    if held is not None and not (break_lease or _expired(held[0], _now())):
+        raise LeaseHeld(_held_line(out, held[0]))
+
+
 @contextlib.contextmanager
 def hold(out: Location, s3: S3Config, break_lease: bool = False) -> Iterator[Lease]:
     """The lease for the duration of a job: taken, renewed while the block runs, released at its end or failure."""

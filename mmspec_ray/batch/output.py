@@ -136,9 +136,15 @@ def _job_file(name: str) -> bool:
     return name in (MARKER_NAME, SUMMARY_NAME) or is_lease_file(name)
 
 
+def check_output_dir(loc: Location) -> None:
+    """An output must be a directory (or not exist yet): an existing file there is refused before anything else."""
+    if loc.fs.get_file_info(loc.path).type == pafs.FileType.File:
+        raise JobInputError(f"output {loc.uri} is a file; give a directory (new or this job's) for the output")
+
+
 def claim(loc: Location, settings: dict[str, Any], input_uri: str,
           fingerprints: dict[str, dict[str, Any]] | None = None, overwrite: bool = False,
-          redecode_changed: bool = False) -> Claim:
+          redecode_changed: bool = False, dry_run: bool = False) -> Claim:
     """Claim `loc` for a job reading `input_uri` with `settings` (writing the marker), or check that a resume is the
     same job: same input (any spelling of its URI, or the same files elsewhere: `same_input`; ids of another dataset
     would pass as done), same text-deciding settings, and input files
@@ -147,7 +153,9 @@ def claim(loc: Location, settings: dict[str, Any], input_uri: str,
 
     Refuses (JobInputError) a directory holding files but no marker, a resume of another input, and one whose
     settings differ in a way that changes the text. With `overwrite`, the job's own files are deleted first
-    (foreign ones never), but only for the same input: another job's answers are not this job's to delete."""
+    (foreign ones never), but only for the same input: another job's answers are not this job's to delete.
+    `dry_run`: every check, nothing written or deleted (`--dry-run` refuses what the run would)."""
+    check_output_dir(loc)
     marker = loc.child(MARKER_NAME)
     files = [i for i in _listing(loc) if not (_is_top(loc, i.path) and is_lease_file(_name(i.path)))]
     has_marker = any(i.path.rstrip("/") == marker.path for i in files)
@@ -161,6 +169,8 @@ def claim(loc: Location, settings: dict[str, Any], input_uri: str,
         raise JobInputError(f"output {loc.uri} holds the answers of another job (input {record.get('input')!r}); "
                             f"this job reads {canonical_uri(input_uri)!r}, whose files differ. Use a new --output "
                             "for it, or --redecode-changed if it is a copy of that input with some files changed")
+    if has_marker and overwrite and dry_run:
+        return Claim(record, [], [])  # a run deletes the job's own files and starts over: nothing else to check
     if has_marker and overwrite:
         own = [i.path for i in files if owns(loc, record, i.path, i.size) or
                (_is_top(loc, i.path) and i.path.endswith("/" + SUMMARY_NAME))]
@@ -185,6 +195,8 @@ def claim(loc: Location, settings: dict[str, Any], input_uri: str,
                 "no longer in the input), or use a new --output, or --overwrite to start over")
         names = changed_names(old, fingerprints) if changed else []
         return Claim(record, changed, names)
+    if dry_run:
+        return Claim({}, [], [])
     record = {"format": MARKER_FORMAT, "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "input": canonical_uri(input_uri), "input_files": fingerprints, "settings": settings, "runs": [],
               "sealed": [], "parts": {}}

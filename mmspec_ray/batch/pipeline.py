@@ -24,9 +24,9 @@ import ray
 
 from mmspec_ray.batch.cluster import check_gpus, check_local_gpus, connect_ray, plan_actor_cpus, release_failed_run
 from mmspec_ray.batch.decoder import SpecDecoder
-from mmspec_ray.batch.lease import Lease, hold
-from mmspec_ray.batch.output import (Claim, OutputState, PartNames, claim, drop_duplicates, drop_rows, new_run_token,
-                                     read_marker, record_run, seal)
+from mmspec_ray.batch.lease import Lease, check_free, hold
+from mmspec_ray.batch.output import (Claim, OutputState, PartNames, check_output_dir, claim, drop_duplicates,
+                                     drop_rows, new_run_token, read_marker, record_run, seal)
 from mmspec_ray.batch.output import scan as scan_output
 from mmspec_ray.batch.plan import check_drafter, check_gpu, format_plan, make_plan, probe_gpu, resolve_gpus
 from mmspec_ray.batch.progress import ProgressPrinter, ProgressTracker
@@ -73,9 +73,11 @@ def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = Sp
         drafter_why = choice.why
     check_drafter(spec.decode)  # on this driver, before Ray starts or anything is written
     check_local_gpus(spec)
+    check_output_dir(out)
     job = dict(out=out, source=source, table=table, ids=ids, per_file=per_file, n_input=n_input,
                drafter_why=drafter_why, decoder_cls=decoder_cls, row_fn=row_fn, t_start=t_start)
     if dry_run:
+        check_free(out, spec.decode.s3, spec.break_lease)  # another job running on the output: refused here too
         return _run(spec, **job, dry_run=True, lease=None)
     with hold(out, spec.decode.s3, spec.break_lease) as lease:  # one job per output: a second one stops here
         return _run(spec, **job, dry_run=False, lease=lease)
@@ -96,15 +98,16 @@ def _run(spec: JobSpec, out: Location, source: Location | None, table: pa.Table 
     actor_cpus = plan_actor_cpus(spec)
     # refuses a target that cannot load or fit before anything is written; an existing output's rows are not read
     # yet (a scan tidies torn parts, and a dry run writes nothing)
-    plan = make_plan(spec, cfg, gpus, actor_cpus, len(ids), None if exists(out) else len(ids), drafter_why, probe)
-    if dry_run:
-        print(format_plan(plan), flush=True)
-        return {"plan": plan, "dry_run": True}
+    resumes = exists(out) and not spec.overwrite
+    plan = make_plan(spec, cfg, gpus, actor_cpus, len(ids), None if resumes else len(ids), drafter_why, probe)
     in_loc = source or locate(spec.input, spec.decode.s3)
     files = parquet_files(source) if source is not None else None
     prints = input_fingerprints(in_loc, files)
     claimed = claim(out, cfg.text_settings(), spec.input, prints, overwrite=spec.overwrite,
-                    redecode_changed=spec.redecode_changed)
+                    redecode_changed=spec.redecode_changed, dry_run=dry_run)  # a dry run: the same checks, no write
+    if dry_run:
+        print(format_plan(plan), flush=True)
+        return {"plan": plan, "dry_run": True}
     state, done = scan_output(out, claimed.record, ["error_kind"])
     deduped = drop_duplicates(out, state)
     if deduped:
