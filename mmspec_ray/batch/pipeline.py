@@ -11,6 +11,7 @@ it wrote (batch/output.py), and a resume must match the settings recorded there.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -118,6 +119,8 @@ def _run(spec: JobSpec, out: Location, source: Location | None, table: pa.Table 
     record = record_run(out, read_marker(out) if deduped or redone else claimed.record, run, prints)
     if redone:
         state, done = scan_output(out, record, ["error_kind"])
+    # a rewrite records its parts in the marker it is given: the one holding this run's token
+    state = dataclasses.replace(state, record=record)
     retried = _drop_retries(out, state, done, ids, spec)
     if retried:
         record = read_marker(out)
