@@ -11,6 +11,7 @@ import io
 import os
 import sys
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -238,6 +239,51 @@ def test_local_job_answers_every_row_beside_non_utf8_text_in_files_of_any_parque
         summary = read_json(locate(str(out), s3_server.s3_config).child("_summary.json"))
         assert summary["complete"] and summary["run"]["rows"] == 0 and summary["rows_written"] == 6, spelling
     assert read_output(s3_server, str(out)).num_rows == 6
+
+
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_fingerprint_media_decodes_again_the_rows_whose_media_changed(s3_server, ray_cluster, ckpt, reference,
+                                                                      tmp_path, store):
+    """Media replaced behind the same image_uri (a new ETag on S3, a new size or mtime on disk): with
+    --fingerprint-media a resume decodes exactly those rows again, with the new media's answers; without it, none.
+    The fingerprints live in the output as the job's own file, never a foreign one."""
+    b = s3_server.new_bucket("mprints")
+    imgs = random_images(8, seed=31)
+    rows, requests, where = [], {}, {}
+    for i in range(4):
+        rid = f"m{i}"
+        if store == "s3":
+            uri = s3_server.put(b, f"media/{rid}.png", png(imgs[i]))
+        else:
+            path = tmp_path / "media" / f"{rid}.png"
+            path.parent.mkdir(exist_ok=True)
+            path.write_bytes(png(imgs[i]))
+            uri = str(path)
+        where[rid] = uri
+        rows.append({"id": rid, "prompt": f"describe the image {i}", "image": None, "image_uri": uri, "video": None,
+                     "video_uri": None, "n": i})
+        requests[rid] = Request(prompt=f"describe the image {i}", images=(load_image(png(imgs[i])),))
+    src = put_parquet(s3_server, b, "in/part-0.parquet", rows, ROW_SCHEMA)
+    out = f"s3://{b}/out/" if store == "s3" else str(tmp_path / "out")
+    spec = spec_for(s3_server, ckpt, src, out, fingerprint_media=True)
+    first = run_job(spec)
+    assert first["complete"] and first["run"]["rows"] == 4 and first["media_changed_rows"] == 0
+    assert "_mmspec_media.parquet" not in first["foreign_files"]
+    new = png(imgs[5])  # m2's media replaced behind its URI
+    if store == "s3":
+        s3_server.put(b, "media/m2.png", new)
+    else:
+        Path(where["m2"]).write_bytes(new)
+        os.utime(where["m2"], ns=(time.time_ns() + 10**9,) * 2)
+    requests["m2"] = Request(prompt="describe the image 2", images=(load_image(new),))
+    plain = run_job(spec.model_copy(update={"fingerprint_media": False}))
+    assert plain["run"]["rows"] == 0  # without the flag the stale answer stays (as documented)
+    second = run_job(spec)
+    assert second["media_changed_rows"] == 1 and second["run"]["rows"] == 1 and second["complete"], second
+    table = read_output(s3_server, out)
+    assert_exactly_once(table, [r["id"] for r in rows])
+    assert_matches_reference(table, requests, reference)
+    assert run_job(spec)["run"]["rows"] == 0  # nothing changed since
 
 
 # ---------------- an actor process killed mid-job ----------------

@@ -780,3 +780,25 @@ def test_s3_input_spellings_its_local_copy_and_a_same_size_replacement(s3_server
     assert [c.split(":")[0] for c in fingerprint_changes(prints, new)] == ["a.parquet"]
     with pytest.raises(JobInputError, match=r"the input changed since .*\(a\.parquet: md5 \w+ -> \w+\)"):
         claim(out, GREEDY, uri, new)
+
+
+def test_media_fingerprints_name_the_rows_whose_media_changed(tmp_path):
+    """A row is stale when one of its URIs changed or disappeared, or when no fingerprint was recorded for it;
+    rows not yet decoded are not this check's business."""
+    from mmspec_ray.batch.media_prints import changed_ids, media_prints
+    from mmspec_ray.config import S3Config
+
+    for name in ("a", "b", "c"):
+        (tmp_path / f"{name}.png").write_bytes(name.encode())
+    rows = pa.table({"id": ["r1", "r2", "r3", "r4"],
+                     "image_uri": [str(tmp_path / "a.png"), str(tmp_path / "b.png"), None, str(tmp_path / "c.png")]})
+    s3 = S3Config()
+    old = media_prints(rows, s3)
+    assert old.column("id").to_pylist() == ["r1", "r2", "r4"]  # r3 names no media by URI
+    done = pa.array(["r1", "r2", "r3", "r4"])
+    assert changed_ids(old, media_prints(rows, s3), done).to_pylist() == []
+    (tmp_path / "b.png").write_bytes(b"bb")  # another size
+    (tmp_path / "c.png").unlink()
+    assert sorted(changed_ids(old, media_prints(rows, s3), done).to_pylist()) == ["r2", "r4"]
+    assert changed_ids(old, media_prints(rows, s3), pa.array(["r1"])).to_pylist() == []
+    assert sorted(changed_ids(None, old, done).to_pylist()) == ["r1", "r2", "r4"]  # none recorded: all stale

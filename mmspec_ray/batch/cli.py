@@ -76,6 +76,9 @@ def build_parser(job: str) -> argparse.ArgumentParser:
       "rows of the new or changed input files again and drop rows no longer in the input (refused without it)")
     a("--break-lease", action="store_true", default=None, help="take the output's lease though another job holds "
       "it: after a job crashed, instead of waiting for its lease to expire (never while that job still runs)")
+    a("--fingerprint-media", action="store_true", default=None, help="record each row's media URIs' ETag / size "
+      "+ mtime and, on a resume, decode again the rows whose media changed behind the same URI (one HEAD or stat per "
+      "URI at each run's start)")
     a("--retry-errors", help="comma-separated error kinds to decode again on a resume (e.g. internal,crash,"
       "media.not_found); media.unavailable rows are always retried")
     a("--max-row-crashes", type=int, help="file a row as error kind `crash` after it killed this many decoders "
@@ -101,7 +104,7 @@ def flag_overrides(a: argparse.Namespace) -> dict[str, Any]:
     top = {k: getattr(a, k) for k in ("input", "output", "num_actors", "min_actors", "gpus_per_actor",
                                       "cpus_per_actor", "limit", "rows_per_block", "rows_per_file", "overwrite",
                                       "redecode_changed", "break_lease", "progress_bars", "progress_interval_s",
-                                      "max_row_crashes")}
+                                      "max_row_crashes", "fingerprint_media")}
     if a.retry_errors:
         top["retry_errors"] = [k.strip() for k in a.retry_errors.split(",") if k.strip()]
     dec = {k: getattr(a, k) for k in ("target", "drafter", "max_new_tokens", "temperature", "top_p", "top_k",

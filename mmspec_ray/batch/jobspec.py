@@ -151,6 +151,8 @@ class JobSpec(BaseModel):
     redecode_changed: bool = Field(False, description="resume after the input changed: decode the rows of the new or "
                                    "changed input files again and drop rows no longer in the input (without it such "
                                    "a resume is refused)")
+    fingerprint_media: bool = Field(False, description="record each row's media URIs' ETag (S3) or size + mtime, and "
+                                    "on a resume decode again the rows whose media changed behind the same URI")
     retry_errors: tuple[str, ...] = Field((), description="error kinds to decode again on a resume, besides the "
                                           "always-retried transient ones (e.g. internal, crash, media.not_found)")
     max_row_crashes: int = Field(2, ge=1, description="a row whose decoder process died this many times is filed "

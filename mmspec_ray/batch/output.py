@@ -42,6 +42,7 @@ from mmspec_ray.media.io import is_transient
 log = logging.getLogger(__name__)
 
 MARKER_NAME = "_mmspec_job.json"
+MEDIA_PRINTS_NAME = "_mmspec_media.parquet"  # --fingerprint-media's record (batch/media_prints.py)
 PART_PREFIX = "mmspec-part-"
 # `mmspec-part-<base>.parquet`, or `mmspec-part-<base>.fix<N>.parquet`: generation N of that part after a retry
 # rewrote it without the rows being redone. Of one base only the highest generation is live.
@@ -133,7 +134,7 @@ def owns(loc: Location, record: dict[str, Any], path: str, size: int | None = No
 
 def _job_file(name: str) -> bool:
     """The marker, the summary and the lease: the job's own bookkeeping, never parts and never foreign."""
-    return name in (MARKER_NAME, SUMMARY_NAME) or is_lease_file(name)
+    return name in (MARKER_NAME, SUMMARY_NAME, MEDIA_PRINTS_NAME) or is_lease_file(name)
 
 
 def check_output_dir(loc: Location) -> None:
@@ -173,7 +174,7 @@ def claim(loc: Location, settings: dict[str, Any], input_uri: str,
         return Claim(record, [], [])  # a run deletes the job's own files and starts over: nothing else to check
     if has_marker and overwrite:
         own = [i.path for i in files if owns(loc, record, i.path, i.size) or
-               (_is_top(loc, i.path) and i.path.endswith("/" + SUMMARY_NAME))]
+               (_is_top(loc, i.path) and _name(i.path) in (SUMMARY_NAME, MEDIA_PRINTS_NAME))]
         for p in own:
             loc.fs.delete_file(p)
         loc.fs.delete_file(marker.path)

@@ -21,6 +21,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import ray
 
 from mmspec_ray.batch.cluster import check_gpus, check_local_gpus, connect_ray, plan_actor_cpus, release_failed_run
@@ -122,7 +123,12 @@ def _run(spec: JobSpec, out: Location, source: Location | None, table: pa.Table 
     # a rewrite records its parts in the marker it is given: the one holding this run's token
     state = dataclasses.replace(state, record=record)
     retried = _drop_retries(out, state, done, ids, spec)
-    if retried:
+    media_changed = 0
+    if spec.fingerprint_media:
+        if retried:
+            state, done = scan_output(out, read_marker(out), ["error_kind"])
+        media_changed = _drop_media_changed(out, state, ids, spec, table, source, files)
+    if retried or media_changed:
         record = read_marker(out)
         state, _ = scan_output(out, record)
     todo = ids.filter(pc.invert(pc.is_in(ids, value_set=state.ids.cast(ids.type))))
@@ -153,6 +159,7 @@ def _run(spec: JobSpec, out: Location, source: Location | None, table: pa.Table 
     seal(out, record, end_state)
     meta = _meta(spec, t_start, state.removed + end_state.removed, end_state.foreign, retried)
     meta["duplicates_dropped"] = deduped
+    meta["media_changed_rows"] = media_changed  # --fingerprint-media: done rows decoded again, their media changed
     summary = summarize(written, ids, todo, wall, meta, progress)
     summary["retryable_rows"] = sum(summary["all_rows"]["errors_by_kind"].get(k, 0) for k in RETRYABLE_KINDS)
     summary["plan"] = plan
@@ -181,6 +188,29 @@ def _drop_changed(out: Location, state: OutputState, claimed: Claim, per_file: p
                 "again, %d rows no longer in the input dropped; %d output rows taken out in all",
                 "; ".join(claimed.changed[:5]), len(redo), len(gone), n)
     return n
+
+
+def _drop_media_changed(out: Location, state: OutputState, ids: pa.Array, spec: JobSpec, table: pa.Table | None,
+                        source: Location | None, files: list[str] | None) -> int:
+    """With --fingerprint-media: fingerprint every row's media URIs now, take the done rows whose media changed
+    since the last run recorded them (or that it recorded none for) out of the output, and record the new ones."""
+    from mmspec_ray.batch.media_prints import URI_FIELDS, changed_ids, media_prints, read_prints, write_prints
+
+    if table is not None:
+        rows = table
+    else:
+        cols = [c for c in URI_FIELDS if c in pq.read_schema(files[0], filesystem=source.fs).names]
+        rows = pa.concat_tables([pq.read_table(f, columns=cols, filesystem=source.fs) for f in files])
+        rows = rows.append_column("id", scan_input(source)[1].combine_chunks())  # ids escaped as the output's
+    rows = rows.filter(pc.is_in(rows.column("id"), value_set=ids.cast(rows.column("id").type)))
+    new = media_prints(rows, spec.decode.s3)
+    stale = changed_ids(read_prints(out), new, state.ids)
+    dropped = drop_rows(out, state, stale) if len(stale) else 0
+    write_prints(out, new)
+    if dropped:
+        log.info("--fingerprint-media: %d rows whose media changed since they were decoded are decoded again",
+                 dropped)
+    return dropped
 
 
 def _drop_retries(out: Location, state: OutputState, done: pa.Table | None, ids: pa.Array, spec: JobSpec) -> int:
