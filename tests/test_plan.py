@@ -300,6 +300,10 @@ def test_serve_takes_a_gpu_per_replica_where_the_cluster_has_them_and_prints_its
     assert "(llava, 0.2 M parameters)" in plan and "bfloat16 on cuda; 1 GPU per replica" in plan
     cpu = settings.decode.model_copy(update={"device": "cpu"})
     assert "float32 on cpu; no GPU (CPU)" in serve_plan(settings, cpu, 0.0, "given")
+    from mmspec_ray.serve.proxy_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+
+    said = "every answer in the API's JSON format" in serve_plan(settings, cpu, 0.0, "given")
+    assert said == (os.environ.get(PROXY_CALLBACK_ENV) == PROXY_CALLBACK)
 
 
 def test_auto_finds_a_drafter_in_an_s3_drafter_dir(ckpt, tmp_path, s3_server, monkeypatch):

@@ -36,6 +36,7 @@ from mmspec_ray.serve.messages import remote_media, to_request
 from mmspec_ray.serve.metrics import ServeMetrics
 from mmspec_ray.serve.protocol import ChatRequest, check_content_type, chunk_body, completion_body, completion_id, \
     decode_json, parse_request, spec_stats, sse_event, usage
+from mmspec_ray.serve.proxy_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 from mmspec_ray.serve.relay import read_body, relay, respond
 from mmspec_ray.serve.replicas import ReplicaWatch
 from mmspec_ray.serve.run import DecodeRun, drain
@@ -349,6 +350,9 @@ def serve_plan(settings: ServeSettings, decode, gpus: float, why: str) -> str:
         "deployments: section replaces this)" if gpus else f"  decode   {dtype} on {device}; no GPU (CPU)",
         f"  drafter  {decode.drafter}: {why}",
         f"  tree     {describe_tree(decode)}",
+        "  errors   every answer in the API's JSON format" if os.environ.get(PROXY_CALLBACK_ENV) == PROXY_CALLBACK else
+        f"  errors   Ray's proxy answers its own errors in plain text: set {PROXY_CALLBACK_ENV}={PROXY_CALLBACK} "
+        "where Ray starts (python -m mmspec_ray.serve does)",
     ])
 
 
