@@ -113,10 +113,10 @@ def test_two_jobs_racing_for_one_output_exactly_one_gets_it(out):
 def test_a_stale_lease_expires_and_break_lease_takes_a_live_one(out):
     """A crashed job's lease (no heartbeat) refuses others until it expires, then the next job takes it over; the
     crashed job, were it alive, would find its lease lost. --break-lease takes a live lease at once."""
-    crashed = acquire(out.loc, out.s3, heartbeat_s=3600, expiry_s=2.0)
+    crashed = acquire(out.loc, out.s3, heartbeat_s=3600, expiry_s=5.0)  # roomy: a loaded runner is slow
     with pytest.raises(LeaseHeld, match=r"in use by another job \(.*pid \d+.*expires"):
         acquire(out.loc, out.s3)
-    time.sleep(2.2)
+    time.sleep(5.2)
     nxt = acquire(out.loc, out.s3, heartbeat_s=3600)
     crashed.renew()
     assert crashed.lost and "taken over" in crashed.lost
@@ -134,9 +134,9 @@ def test_a_stale_lease_expires_and_break_lease_takes_a_live_one(out):
 
 def test_the_heartbeat_keeps_a_running_jobs_lease(out):
     """The driver's heartbeat renews the expiry, so a job running longer than the expiry keeps its lease."""
-    lease = acquire(out.loc, out.s3, heartbeat_s=0.2, expiry_s=2.0)
+    lease = acquire(out.loc, out.s3, heartbeat_s=0.2, expiry_s=5.0)  # 25 beats per expiry: safe on a loaded runner
     first = json.loads(out.get(LEASE_NAME))["expires_at"]
-    time.sleep(3.0)
+    time.sleep(6.0)
     with pytest.raises(LeaseHeld):
         acquire(out.loc, out.s3)
     assert json.loads(out.get(LEASE_NAME))["expires_at"] > first and not lease.lost

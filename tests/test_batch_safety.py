@@ -709,6 +709,13 @@ def test_an_input_spelled_another_way_is_the_same_input(tmp_path, monkeypatch):
     for redecode in (False, True):  # no file in common: another dataset, whatever the flag
         with pytest.raises(JobInputError, match="another job"):
             claim(out, GREEDY, str(other), input_fingerprints(loc(other)), redecode_changed=redecode)
+    namesake = tmp_path / "namesake"  # another dataset whose files share the names, every one with other rows
+    namesake.mkdir()
+    _write_ids(namesake / "a.parquet", ["n1"])
+    _write_ids(namesake / "b.parquet", ["n2"])
+    for redecode in (False, True):  # a shared name is not a copy: its answers are not dropped as gone
+        with pytest.raises(JobInputError, match="another job"):
+            claim(out, GREEDY, str(namesake), input_fingerprints(loc(namesake)), redecode_changed=redecode)
 
 
 def os_utime_later(path, seconds: float = 100.0) -> None:
@@ -802,3 +809,13 @@ def test_media_fingerprints_name_the_rows_whose_media_changed(tmp_path):
     assert sorted(changed_ids(old, media_prints(rows, s3), done).to_pylist()) == ["r2", "r4"]
     assert changed_ids(old, media_prints(rows, s3), pa.array(["r1"])).to_pylist() == []
     assert sorted(changed_ids(None, old, done).to_pylist()) == ["r1", "r2", "r4"]  # none recorded: all stale
+
+
+def test_media_fingerprints_of_rows_past_a_limit_are_kept():
+    """A run with --limit records the rows it covers and keeps the others' recorded fingerprints."""
+    from mmspec_ray.batch.media_prints import merge_prints
+
+    old = pa.table({"id": ["a", "b", "c"], "fingerprint": ["1", "2", "3"]})
+    new = pa.table({"id": ["a"], "fingerprint": ["9"]})
+    got = dict(zip(*merge_prints(old, new).to_pydict().values()))
+    assert got == {"a": "9", "b": "2", "c": "3"}

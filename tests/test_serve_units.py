@@ -330,7 +330,7 @@ def test_replica_watch_answers_no_replica_promptly_and_learns_the_restart_time()
         busy.assigned.set()
         assert await task
         assert watch.down_since is None and watch.restart_s < 5  # the outage, measured: about 0.35 s
-        assert watch.retry_after_s() == 1.0
+        assert 1.0 <= watch.retry_after_s() < 5
 
     asyncio.run(scenario())
 

@@ -275,7 +275,14 @@ class Lease:
         self.body, self.version = body, version
 
     def check(self) -> None:
-        """Raise LeaseLost when another job may have written into the output while this one ran."""
+        """Raise LeaseLost when another job may have written into the output while this one ran: renewed here
+        first, so a lease taken over since the last heartbeat is seen now, not up to a heartbeat later."""
+        if not self.lost:
+            try:
+                self.renew()
+            except Exception as e:  # noqa: BLE001 - the store is unreachable: judged by the expiry, as the heartbeat
+                if _expired(self.body, _now()):
+                    self.lost = f"it could not be renewed before it expired ({e})"
         if self.lost:
             raise LeaseLost(f"output {self.uri}: this job's lease was lost while it ran ({self.lost}); another job "
                             "may have written into it. Re-run when no other job uses the output: the resume keeps "
@@ -304,7 +311,18 @@ def acquire(out: Location, s3: S3Config, break_lease: bool = False, heartbeat_s:
             expiry_s: float = EXPIRY_S) -> Lease:
     """Take the lease on output `out` and start its heartbeat; LeaseHeld (one line) when another job holds a live
     one. An expired lease is taken over; with `break_lease` any lease is."""
-    store = _store(out, s3)
+    try:
+        return _acquire(out, _store(out, s3), break_lease, heartbeat_s, expiry_s)
+    except JobInputError:
+        raise
+    except Exception as e:  # noqa: BLE001 - credentials, an unreachable store, no conditional writes: one line
+        raise JobInputError(f"output {out.uri}: cannot take the job's lease ({type(e).__name__}: {e}); check the "
+                            "store's address and credentials, and that it supports conditional writes "
+                            "(If-None-Match / If-Match on PUT)") from e
+
+
+def _acquire(out: Location, store: "_Store", break_lease: bool, heartbeat_s: float, expiry_s: float) -> Lease:
+    """`acquire` on an open store."""
     now = _now()
     body = {"owner": _owner(), "token": uuid.uuid4().hex, "acquired_at": _iso(now),
             "renewed_at": _iso(now), "expires_at": _iso(now + timedelta(seconds=expiry_s)),
@@ -348,7 +366,11 @@ def _held_line(out: Location, other: dict[str, Any]) -> str:
 def check_free(out: Location, s3: S3Config, break_lease: bool = False) -> None:
     """LeaseHeld (one line) when another job holds a live lease on `out`: what `acquire` would refuse, taking
     nothing (a dry run's check)."""
-    held = _store(out, s3).read()
+    try:
+        held = _store(out, s3).read()
+    except Exception as e:  # noqa: BLE001 - as `acquire`: one line
+        raise JobInputError(f"output {out.uri}: cannot read the job's lease ({type(e).__name__}: {e}); check the "
+                            "store's address and credentials") from e
     if held is not None and not (break_lease or _expired(held[0], _now())):
         raise LeaseHeld(_held_line(out, held[0]))
 

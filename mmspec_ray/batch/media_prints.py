@@ -81,6 +81,14 @@ def write_prints(out: Location, prints: pa.Table) -> None:
         pq.write_table(prints, f)
 
 
+def merge_prints(old: pa.Table | None, new: pa.Table) -> pa.Table:
+    """`new` plus the recorded fingerprints of ids it does not cover (rows past a run's --limit keep theirs)."""
+    if old is None or not old.num_rows:
+        return new
+    rest = old.filter(pc.invert(pc.is_in(old.column("id"), value_set=new.column("id").cast(old.column("id").type))))
+    return pa.concat_tables([new, rest.cast(new.schema)])
+
+
 def changed_ids(old: pa.Table | None, new: pa.Table, done: pa.Array) -> pa.Array:
     """Ids in `done` (rows already in the output) whose media fingerprint differs from the recorded one, or that
     none was recorded for (decoded before fingerprints were kept): their answers may be stale."""

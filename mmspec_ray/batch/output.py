@@ -169,7 +169,8 @@ def claim(loc: Location, settings: dict[str, Any], input_uri: str,
                                      copy_changed=redecode_changed):
         raise JobInputError(f"output {loc.uri} holds the answers of another job (input {record.get('input')!r}); "
                             f"this job reads {canonical_uri(input_uri)!r}, whose files differ. Use a new --output "
-                            "for it, or --redecode-changed if it is a copy of that input with some files changed")
+                            "for it, or --redecode-changed if it is a copy of that input with some of its files changed (at least "
+                            "half unchanged)")
     if has_marker and overwrite and dry_run:
         return Claim(record, [], [])  # a run deletes the job's own files and starts over: nothing else to check
     if has_marker and overwrite:

@@ -27,8 +27,8 @@ import ray
 from mmspec_ray.batch.cluster import check_gpus, check_local_gpus, connect_ray, plan_actor_cpus, release_failed_run
 from mmspec_ray.batch.decoder import SpecDecoder
 from mmspec_ray.batch.lease import Lease, check_free, hold
-from mmspec_ray.batch.output import (Claim, OutputState, PartNames, check_output_dir, claim, drop_duplicates,
-                                     drop_rows, new_run_token, read_marker, record_run, seal)
+from mmspec_ray.batch.output import (MARKER_NAME, Claim, OutputState, PartNames, check_output_dir, claim,
+                                     drop_duplicates, drop_rows, new_run_token, read_marker, record_run, seal)
 from mmspec_ray.batch.output import scan as scan_output
 from mmspec_ray.batch.plan import check_drafter, check_gpu, format_plan, make_plan, probe_gpu, resolve_gpus
 from mmspec_ray.batch.progress import ProgressPrinter, ProgressTracker
@@ -100,7 +100,7 @@ def _run(spec: JobSpec, out: Location, source: Location | None, table: pa.Table 
     actor_cpus = plan_actor_cpus(spec)
     # refuses a target that cannot load or fit before anything is written; an existing output's rows are not read
     # yet (a scan tidies torn parts, and a dry run writes nothing)
-    resumes = exists(out) and not spec.overwrite
+    resumes = exists(out.child(MARKER_NAME)) and not spec.overwrite  # (the lease alone makes the folder exist)
     plan = make_plan(spec, cfg, gpus, actor_cpus, len(ids), None if resumes else len(ids), drafter_why, probe)
     in_loc = source or locate(spec.input, spec.decode.s3)
     files = parquet_files(source) if source is not None else None
@@ -194,7 +194,8 @@ def _drop_media_changed(out: Location, state: OutputState, ids: pa.Array, spec: 
                         source: Location | None, files: list[str] | None) -> int:
     """With --fingerprint-media: fingerprint every row's media URIs now, take the done rows whose media changed
     since the last run recorded them (or that it recorded none for) out of the output, and record the new ones."""
-    from mmspec_ray.batch.media_prints import URI_FIELDS, changed_ids, media_prints, read_prints, write_prints
+    from mmspec_ray.batch.media_prints import (URI_FIELDS, changed_ids, media_prints, merge_prints, read_prints,
+                                               write_prints)
 
     if table is not None:
         rows = table
@@ -204,9 +205,10 @@ def _drop_media_changed(out: Location, state: OutputState, ids: pa.Array, spec: 
         rows = rows.append_column("id", scan_input(source)[1].combine_chunks())  # ids escaped as the output's
     rows = rows.filter(pc.is_in(rows.column("id"), value_set=ids.cast(rows.column("id").type)))
     new = media_prints(rows, spec.decode.s3)
-    stale = changed_ids(read_prints(out), new, state.ids)
+    old = read_prints(out)
+    stale = changed_ids(old, new, state.ids)
     dropped = drop_rows(out, state, stale) if len(stale) else 0
-    write_prints(out, new)
+    write_prints(out, merge_prints(old, new))
     if dropped:
         log.info("--fingerprint-media: %d rows whose media changed since they were decoded are decoded again",
                  dropped)

@@ -204,12 +204,18 @@ def same_input(old_uri: str | None, old: dict[str, dict[str, Any]] | None, uri: 
                new: dict[str, dict[str, Any]] | None, copy_changed: bool = False) -> bool:
     """Whether an input read as `uri` (files `new`) is the one recorded as `old_uri` (files `old`): the same URI in
     any spelling, or files with the same names and fingerprints elsewhere (a copy, an S3 input and its local copy).
-    With `copy_changed` (--redecode-changed) a copy some of whose files changed counts too, if a file name is shared."""
+    With `copy_changed` (--redecode-changed) a copy some of whose files changed counts too, if at least half of the
+    recorded files are in it unchanged: a shared file name alone (two datasets' `train.parquet`) is not enough, or
+    the rows of another dataset's answers would be dropped as gone."""
     if old_uri is not None and canonical_uri(old_uri) == canonical_uri(uri):
         return True
     if not old or not new:
         return False
-    return not changed_names(old, new) or (copy_changed and bool(set(old) & set(new)))
+    changed = changed_names(old, new)
+    if not changed:
+        return True
+    unchanged = (set(old) & set(new)) - set(changed)
+    return copy_changed and bool(unchanged) and 2 * len(unchanged) >= len(old)
 
 
 class JobInputError(ValueError):

@@ -68,7 +68,7 @@ def scan(folder: str, s3: S3Config | None = None) -> tuple[list[FoundDrafter], l
         infos = filesystem.get_file_info(fs.FileSelector(root, recursive=False, allow_not_found=True))
     except OSError as e:
         log.warning("cannot list drafter folder %s: %s", folder, e)
-        return []
+        return [], []
     dirs = [root] + sorted(i.path for i in infos if i.type == fs.FileType.Directory)
     found, skipped = [], []
     for d in dirs:
@@ -105,7 +105,10 @@ def _size(filesystem, path: str) -> int:
     """Bytes of a file, 0 when it is absent or not a file."""
     from pyarrow import fs
 
-    info = filesystem.get_file_info(path)
+    try:
+        info = filesystem.get_file_info(path)
+    except OSError:
+        return 0
     return int(info.size or 0) if info.type == fs.FileType.File else 0
 
 

@@ -15,6 +15,9 @@ log = logging.getLogger(__name__)
 DEFAULT_RESTART_S = 30.0  # a replica's replacement before one was seen here (measured: 20-37 s for the toy target)
 PROBE_S = 2.0  # a request not yet at a replica after this long asks whether any replica runs
 STATUS_TTL_S = 1.0  # one status look-up serves every waiting request for this long
+MAX_RESTART_S = 120.0  # the longest replacement time a Retry-After is based on
+# replica states that still take requests (a controller recovering, a node draining, a reconfigure)
+SERVING = ("RUNNING", "UPDATING", "RECOVERING", "PENDING_MIGRATION")
 
 
 class ReplicaWatch:
@@ -33,13 +36,16 @@ class ReplicaWatch:
         """Wait until the Serve response generator `gen` is assigned to a replica (True), or until it has waited
         `probe_s` while no replica is running (False: the caller answers 503 and cancels it)."""
         task = asyncio.ensure_future(gen._fetch_future_result_async())
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read by __anext__: never "unretrieved"
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=self.probe_s)
                 if done:
                     self._up()
                     return True
-                if await self._running_cached() == 0:
+                if await self._running_cached() > 0:
+                    self._up()  # a replica serves again: the outage ended, though this request still waits
+                else:
                     if self.down_since is None:
                         self.down_since = time.monotonic()
                         log.warning("no %s replica is running: answering 503 until one is", self.deployment)
@@ -55,7 +61,7 @@ class ReplicaWatch:
 
     def _up(self) -> None:
         if self.down_since is not None:
-            self.restart_s = max(1.0, time.monotonic() - self.down_since)
+            self.restart_s = min(MAX_RESTART_S, max(1.0, time.monotonic() - self.down_since))
             log.info("a %s replica is running again after %.1f s", self.deployment, self.restart_s)
             self.down_since = None
             self._cached = None
@@ -76,4 +82,6 @@ class ReplicaWatch:
         status = await asyncio.to_thread(serve.status)
         app = status.applications.get(self.app)
         dep = app.deployments.get(self.deployment) if app is not None else None
-        return 1 if dep is None else int(dep.replica_states.get("RUNNING", 0))
+        if dep is None:
+            return 1
+        return sum(int(n) for state, n in dep.replica_states.items() if str(getattr(state, "value", state)) in SERVING)
