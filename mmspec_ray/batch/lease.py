@@ -242,6 +242,7 @@ class Lease:
     expiry_s: float
     lost: str | None = None  # why the lease is no longer this job's
     _stop: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # one renewal at a time (heartbeat and check)
     _thread: threading.Thread | None = None
 
     def start(self) -> "Lease":
@@ -264,15 +265,19 @@ class Lease:
                 return
 
     def renew(self) -> None:
-        """Push the expiry on, if the lease is still this job's (else mark it lost)."""
-        now = _now()
-        body = {**self.body, "renewed_at": _iso(now), "expires_at": _iso(now + timedelta(seconds=self.expiry_s))}
-        version = self.store.replace(_encode(body), self.version)
-        if version is None:
-            held = self.store.read()
-            self.lost = (f"it was taken over by {held[0].get('owner', '?')}" if held else "it was deleted")
-            return
-        self.body, self.version = body, version
+        """Push the expiry on, if the lease is still this job's (else mark it lost). Serialised: the heartbeat and
+        the job's final check must not both replace the same version (the second would read as a takeover)."""
+        with self._lock:
+            if self.lost:
+                return
+            now = _now()
+            body = {**self.body, "renewed_at": _iso(now), "expires_at": _iso(now + timedelta(seconds=self.expiry_s))}
+            version = self.store.replace(_encode(body), self.version)
+            if version is None:
+                held = self.store.read()
+                self.lost = (f"it was taken over by {held[0].get('owner', '?')}" if held else "it was deleted")
+                return
+            self.body, self.version = body, version
 
     def check(self) -> None:
         """Raise LeaseLost when another job may have written into the output while this one ran: renewed here
