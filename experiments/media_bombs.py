@@ -2,7 +2,7 @@
 model) for hostile image shapes: long thin PNGs of a few hundred bytes that a CLIP-style processor scales up by their
 aspect ratio, one just inside the 200:1 limit, and a photo-size JPEG. Through the Serve endpoint's request path
 (`to_request`, with the decoder's resolved config as a replica passes it) and a batch row (`prepare_row`, config resolved as a job resolves it), with the
-default media limits and with the aspect-ratio limits lifted (what a replica did before they existed). Each
+default media limits and with the aspect-ratio limits lifted (what such an image costs unchecked). Each
 measurement runs in a fresh process: the target is loaded and warmed up on a small image, its peak RSS reset through
 /proc/self/clear_refs, and the growth is the peak (VmHWM) over the RSS before the request.
 
@@ -153,8 +153,8 @@ decoder actor does before the model) on an untrained toy-s-shaped LLaVA, whose C
 side to 96 px and then crops. `serve`: the endpoint's request path (`to_request` from a data: URL, with the
 decoder's resolved media settings as a replica passes them); `batch`: a batch row (`prepare_row`, settings resolved
 as a job resolves them). Both scale a large image down before keeping it, a JPEG already while decoding.
-"Limits lifted": `max_aspect_ratio` and `max_processed_pixels` set out of reach, what a replica did before they
-existed. Each cell is a fresh process, after a warm-up request with a 96 px image; one torch thread; shared 2-core
+"Limits lifted": `max_aspect_ratio` and `max_processed_pixels` set out of reach (what such an image costs
+unchecked). Each cell is a fresh process, after a warm-up request with a 96 px image; one torch thread; shared 2-core
 CPU, so the times are rough.
 
 {tab}

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from mmspec_ray.batch.jobspec import DecodeConfig
-from mmspec_ray.batch.rows import RowError, prepare_row, resolve_image_side, short_side
+from mmspec_ray.batch.rows import RowError, prepare_row, resolve_image_side
 from mmspec_ray.config import MediaLimits
 from mmspec_ray.media import MediaError, load_image, load_video
 from mmspec_ray.media.image import check_shape, decode_image_bytes, processed_size
@@ -106,7 +106,6 @@ def test_short_side_is_read_from_the_processor_configs(tmp_path):
     assert (cfg.media.image_side, cfg.media.short_side) == (336, 336)
     kept = DecodeConfig(target=str(tmp_path), media={"image_side": 100, "short_side": None})
     assert resolve_image_side(kept).media == kept.media
-    assert short_side(DecodeConfig(target=str(tmp_path))) == 336  # "auto" left unresolved: read (once) here
 
 
 @pytest.fixture(scope="module")
@@ -129,12 +128,12 @@ def test_a_batch_row_gets_an_error_naming_the_field(cfg, tmp_path):
     assert inside.images[0].size == (19104, 96)  # 199:1 passes, scaled down to the processor's 96 px
 
 
-def test_the_processed_size_bound_holds_on_an_unresolved_config(cfg):
-    """The tiny LLaVA's processor scales the short side to 96 px: with `short_side` left "auto" (as the Serve
-    endpoint passes it) the bound is read from the checkpoint."""
-    low = cfg.model_copy(update={"media": cfg.media.model_copy(update={
-        "limits": MediaLimits(max_processed_pixels=96 * 96 * 20)})})
-    assert low.media.short_side == "auto"
+def test_the_processed_size_bound_holds_with_the_resolved_short_side(cfg):
+    """The tiny LLaVA's processor scales the short side to 96 px: the config resolved as a job or a replica
+    resolves it (`resolve_image_side`) carries it, and the bound refuses from the header."""
+    low = resolve_image_side(cfg.model_copy(update={"media": cfg.media.model_copy(update={
+        "limits": MediaLimits(max_processed_pixels=96 * 96 * 20)})}))
+    assert low.media.short_side == 96
     with pytest.raises(RowError, match=r"2100x100 image: the target's processor scales its short side to 96 px") as e:
         prepare_row({"id": "r", "prompt": "p", "image": png(2100, 100)}, low)
     assert e.value.kind == "media.aspect_ratio"
@@ -148,8 +147,8 @@ def test_the_serve_request_path_answers_400(cfg):
     err = e.value
     assert (err.status, err.code, err.param) == (400, "media_aspect_ratio", "messages[0].content[1].image_url")
     assert "aspect ratio 20000:1 > limit 200:1 (media.limits.max_aspect_ratio)" in err.message
-    low = ServeSettings(decode=cfg.model_copy(update={"media": cfg.media.model_copy(update={
-        "limits": MediaLimits(max_processed_pixels=96 * 96 * 20)})}))
+    low = ServeSettings(decode=resolve_image_side(cfg.model_copy(update={"media": cfg.media.model_copy(update={
+        "limits": MediaLimits(max_processed_pixels=96 * 96 * 20)})})))  # as a replica passes it
     messages[0]["content"][1] = image_part(png(2100, 100))
     with pytest.raises(APIError) as e:
         to_request(messages, low)

@@ -54,16 +54,14 @@ def loopback_only() -> None:
 
 
 def open_without_auth() -> str | None:
-    """The node's address when this process's Ray listens beyond loopback while token auth is off (anyone who
-    reaches that address can run code on the cluster), else None. Outside Ray: None once `loopback_only` is set."""
+    """The node's address when the connected Ray listens beyond loopback while token auth is off (anyone who
+    reaches that address can run code on the cluster), else None."""
     import ipaddress
 
     from ray._private.authentication.authentication_utils import is_token_auth_enabled
 
     if is_token_auth_enabled():
         return None
-    if not ray.is_initialized():
-        return None if os.environ.get(SINGLE_MACHINE_ENV) == "0" else "this machine's network address"
     ip = ray.util.get_node_ip_address()
     return None if ipaddress.ip_address(ip.split("%", 1)[0]).is_loopback else ip
 

@@ -127,7 +127,7 @@ def _run(spec: JobSpec, out: Location, source: Location | None, table: pa.Table 
     if spec.fingerprint_media:
         if retried:
             state, done = scan_output(out, read_marker(out), ["error_kind"])
-        media_changed = _drop_media_changed(out, state, ids, spec, table, source, files)
+        media_changed = _drop_media_changed(out, state, ids, per_file, spec, table, source, files)
     if retried or media_changed:
         record = read_marker(out)
         state, _ = scan_output(out, record)
@@ -190,8 +190,8 @@ def _drop_changed(out: Location, state: OutputState, claimed: Claim, per_file: p
     return n
 
 
-def _drop_media_changed(out: Location, state: OutputState, ids: pa.Array, spec: JobSpec, table: pa.Table | None,
-                        source: Location | None, files: list[str] | None) -> int:
+def _drop_media_changed(out: Location, state: OutputState, ids: pa.Array, per_file: pa.ChunkedArray, spec: JobSpec,
+                        table: pa.Table | None, source: Location | None, files: list[str] | None) -> int:
     """With --fingerprint-media: fingerprint every row's media URIs now, take the done rows whose media changed
     since the last run recorded them (or that it recorded none for) out of the output, and record the new ones."""
     from mmspec_ray.batch.media_prints import (URI_FIELDS, changed_ids, media_prints, merge_prints, read_prints,
@@ -202,7 +202,7 @@ def _drop_media_changed(out: Location, state: OutputState, ids: pa.Array, spec: 
     else:
         cols = [c for c in URI_FIELDS if c in pq.read_schema(files[0], filesystem=source.fs).names]
         rows = pa.concat_tables([pq.read_table(f, columns=cols, filesystem=source.fs) for f in files])
-        rows = rows.append_column("id", scan_input(source)[1].combine_chunks())  # ids escaped as the output's
+        rows = rows.append_column("id", per_file.combine_chunks())  # the input scan's ids, escaped as the output's
     rows = rows.filter(pc.is_in(rows.column("id"), value_set=ids.cast(rows.column("id").type)))
     new = media_prints(rows, spec.decode.s3)
     old = read_prints(out)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from functools import lru_cache
 from typing import Any
 
 import pyarrow as pa
@@ -184,7 +183,7 @@ def _media(row: Mapping[str, Any], field: str, cfg: DecodeConfig) -> list:
                                "object key (s3://bucket/path/file.png)")
         src = item if by_uri else bytes(item)
         side = cfg.media.image_side if isinstance(cfg.media.image_side, int) else None
-        short = short_side(cfg)
+        short = cfg.media.short_side if isinstance(cfg.media.short_side, int) else None  # ("auto": resolve first)
         try:
             if field.startswith("image"):
                 out.append(load_image(src, limits=cfg.media.limits, s3=cfg.s3, max_side=side, short_side=short))
@@ -305,16 +304,3 @@ def processor_configs(target: str, s3: S3Config) -> list[dict]:
                                 ) from e
     return configs
 
-
-def short_side(cfg: DecodeConfig) -> int | None:
-    """media.short_side of `cfg`; where a caller left it "auto" (the Serve endpoint passes its settings as given),
-    read from the target's processor configs once per process, so the processed-size bound holds there too."""
-    side = cfg.media.short_side
-    return _short_side_of(cfg.target, cfg.s3.model_dump_json()) if side == "auto" else side
-
-
-@lru_cache(maxsize=8)
-def _short_side_of(target: str, s3_json: str) -> int | None:
-    from mmspec_ray.targets.media_size import short_side_of
-
-    return short_side_of(processor_configs(target, S3Config.model_validate_json(s3_json)))

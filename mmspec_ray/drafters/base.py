@@ -127,7 +127,9 @@ def check_drafter_files(path: "Path") -> None:
     from mmspec_ray.targets.base import TargetError
 
     missing = [f for f in ("config.json",) if not (path / f).exists()]
-    if not any((path / f).exists() for f in ("model.safetensors", "pytorch_model.bin")):
+    from mmspec_ray.drafters.files import WEIGHT_FILES
+
+    if not any((path / f).exists() for f in WEIGHT_FILES):
         missing.append("model.safetensors (or a released head's pytorch_model.bin)")
     if missing:
         raise TargetError(f"drafter checkpoint {path} has no {' or '.join(missing)}; train one with "

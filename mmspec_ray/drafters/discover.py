@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mmspec_ray.config import S3Config, mmspec_home
+from mmspec_ray.drafters.files import WEIGHT_FILES
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,6 @@ class Skipped:
     why: str  # what is wrong with it, in a few words
 
 
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # a trained drafter's; a released head's
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
 
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # a trained drafter's; a released head's
 SMALL_KEYS = ("d2t", "t2d")  # tensors whose values (not only shapes) a check needs: read even from headers alone
 
 

@@ -5,6 +5,7 @@ Read from the saved processor configs (no model load), so the driver can resolve
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 _SIDE_KEYS = ("shortest_edge", "longest_edge", "height", "width")
@@ -18,12 +19,7 @@ PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json",
 def max_side_of(configs: list[dict[str, Any]]) -> int | None:
     """The largest side, in pixels, that an image or video processor resizes to (crop, longest edge, anyres grid
     pinpoints, sqrt of a max pixel count), from its saved config dicts; None when none says."""
-    sides: list[int] = []
-    for d in configs:
-        for sub in (d, d.get("image_processor"), d.get("video_processor")):
-            if isinstance(sub, dict):
-                sides += _sides(sub)
-    return max(sides) if sides else None
+    return _largest(configs, _sides)
 
 
 def short_side_of(configs: list[dict[str, Any]]) -> int | None:
@@ -31,11 +27,14 @@ def short_side_of(configs: list[dict[str, Any]]) -> int | None:
     a `shortest_edge` with no `longest_edge`, or a bare `size`): the long side then grows with the aspect ratio,
     which is what media.limits.max_processed_pixels bounds. None when no processor resizes that way (a fixed height x
     width, a longest edge, a pixel count or anyres tiles bound the processed size by themselves)."""
-    sides: list[int] = []
-    for d in configs:
-        for sub in (d, d.get("image_processor"), d.get("video_processor")):
-            if isinstance(sub, dict):
-                sides += _short_side(sub)
+    return _largest(configs, _short_side)
+
+
+def _largest(configs: list[dict[str, Any]], sides_of: Callable[[dict[str, Any]], list[int]]) -> int | None:
+    """The largest of `sides_of` over every processor config (a processor_config.json nests its image and video
+    processors' dicts), or None."""
+    sides = [side for d in configs for sub in (d, d.get("image_processor"), d.get("video_processor"))
+             if isinstance(sub, dict) for side in sides_of(sub)]
     return max(sides) if sides else None
 
 
