@@ -367,3 +367,34 @@ def test_job_spec_yaml_and_flags(tmp_path, ckpt):
     assert (d.s3.endpoint_override, d.s3.scheme) == ("127.0.0.1:9000", "http")
     with pytest.raises(ValueError):
         JobSpec.model_validate({"input": "a", "output": "b", "decode": {"target": ckpt}, "bogus": 1})
+
+
+def test_a_drafter_that_pays_on_some_rows_drafts_them_and_the_summary_says_what_the_guard_did(cfg, tmp_path):
+    """The user's walk in small: a suffix drafter that knows the answers of 5 of 24 rows of one kind (never the
+    first, never a multiple of 8), decoded under the payoff guard with answers running to max_new_tokens. The rows it
+    knows draft and accept (tokens per target forward well above 1, counted, not timed), the guard's record is in
+    every row, and the summary says what it did."""
+    from mmspec_ray.decoding.engine import AREngine
+    from mmspec_ray.drafters.suffix import SuffixConfig, SuffixDrafter
+
+    target = load_target(cfg.target, device="cpu")
+    prompts = [f"item {i}: describe the {w} shape" for i, w in enumerate(["red", "blue", "round", "tall"] * 6)]
+    known = {1, 5, 11, 18, 22}
+    answers = {i: AREngine(target).generate(Request(prompt=prompts[i]), max_new_tokens=32).token_ids for i in known}
+    drafter = SuffixDrafter.save(tmp_path / "suffix", list(answers.values()),
+                                 SuffixConfig(target_vocab_size=target.vocab_size))
+    dec = SpecDecoder(cfg.model_copy(update={"drafter": str(drafter), "max_new_tokens": 32, "payoff_guard": True,
+                                             "tree": TreeConfig(top_k=2, depth=6, total_tokens=12)}))
+    outs = [dec.decode({"id": i, "prompt": p}) for i, p in enumerate(prompts)]
+    assert all(o["error"] is None and o["guard"] in ("drafted", "fell_back", "held", "warm_up") for o in outs)
+    for i in known:
+        o = outs[i]
+        assert o["output_token_ids"] == answers[i]  # lossless, as ever
+        assert o["num_output_tokens"] / o["cycles"] >= 2.5, (i, o["num_output_tokens"], o["cycles"], o["guard"])
+    table = attach_outputs(pa.table({"id": list(range(len(prompts)))}), outs)
+    s = summarize(table, table.column("id").combine_chunks(), table.column("id").combine_chunks(), 1.0, {})
+    g = s["run"]["payoff_guard"]
+    assert g["rows"] == len(prompts) and sum(g["rows_by_outcome"].values()) == len(prompts)
+    assert g["plain_cycles"] == sum(o["guard_plain_cycles"] for o in outs) and g["cycles"] == sum(o["cycles"]
+                                                                                                  for o in outs)
+    assert f"/{len(prompts)} rows drafted throughout" in format_summary(s)

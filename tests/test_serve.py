@@ -78,6 +78,7 @@ def test_plain_text_matches_engine_and_streams_the_same(client, reference):
     stats = resp.model_extra["spec_stats"]
     assert stats["cycles"] == ref.stats.cycles and stats["accepted_per_cycle"] == pytest.approx(ref.stats.mean_accepted,
                                                                                                 abs=1e-3)
+    assert stats["guard"] is None and stats["guard_plain_cycles"] == 0  # a tree given as is: no payoff guard
     body, chunks, finish = streamed(client, messages)
     assert body == ref.text and finish == "length"
     assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) >= 2  # sent as it was decoded

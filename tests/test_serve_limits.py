@@ -228,7 +228,7 @@ def test_overload_gets_only_200_and_503_with_retry_after(serve_app):
 def test_metrics_on_ray_prometheus_endpoint(serve_app):
     names = ["ray_mmspec_serve_requests", "ray_mmspec_serve_latency_s", "ray_mmspec_serve_tokens_per_s",
              "ray_mmspec_serve_accepted_per_cycle", "ray_mmspec_serve_queue_depth",
-             "ray_mmspec_serve_time_to_first_token_s"]
+             "ray_mmspec_serve_time_to_first_token_s", "ray_mmspec_serve_cycles"]
     post(serve_app, "/v1/chat/completions", chat()).read()
     deadline, text = time.time() + 60, ""
     while time.time() < deadline:

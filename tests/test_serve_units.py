@@ -391,3 +391,37 @@ def test_the_proxy_middleware_answers_when_the_proxy_sent_nothing_and_passes_the
 
         sent = _run_asgi(JSONErrors(app))
         assert [m.get("status") for m in sent] == [status, None] and sent[1]["body"] == b"data"
+
+
+def test_metrics_count_what_the_payoff_guard_did(monkeypatch):
+    """Each answer adds its cycles; under a guard, one request to its outcome and its plain cycles by why; a decoder
+    without a guard (outcome None) counts cycles only."""
+    from mmspec_ray.serve import metrics as metrics_mod
+
+    counted: list[tuple[str, float, dict]] = []
+
+    class Recording:
+        def __init__(self, name, *args, **kwargs):
+            self.name = name
+
+        def inc(self, value=1, tags=None):
+            counted.append((self.name, value, tags))
+
+        def observe(self, value, tags=None):
+            pass
+
+        def set(self, value, tags=None):
+            pass
+
+    for kind in ("Counter", "Histogram", "Gauge"):
+        monkeypatch.setattr(metrics_mod.metrics, kind, Recording)
+    m = metrics_mod.ServeMetrics("tiny")
+    m.guarded("fell_back", 20, {"fell_back": 12, "warm_up": 3})
+    m.guarded(None, 7, {})
+    assert counted == [
+        ("mmspec_serve_cycles", 20, {"model": "tiny"}),
+        ("mmspec_serve_guard_requests", 1, {"model": "tiny", "guard": "fell_back"}),
+        ("mmspec_serve_guard_plain_cycles", 12, {"model": "tiny", "why": "fell_back"}),
+        ("mmspec_serve_guard_plain_cycles", 3, {"model": "tiny", "why": "warm_up"}),
+        ("mmspec_serve_cycles", 7, {"model": "tiny"}),
+    ]

@@ -11,7 +11,11 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SUMMARY_COLUMNS = ["error_kind", "num_output_tokens", "accepted_per_cycle", "decode_seconds"]
+SUMMARY_COLUMNS = ["error_kind", "num_output_tokens", "accepted_per_cycle", "decode_seconds", "cycles",
+                   "guard_plain_cycles", "guard"]
+GUARD_WHY = {"fell_back": "drafting did not pay on the row", "held": "drafting lost on each of the kind's latest rows, "
+             "so the row started plain and drafted only to measure it again", "warm_up": "a plain step's time was "
+             "still being measured"}
 
 
 def row_stats(t: pa.Table | None) -> dict[str, Any]:
@@ -31,7 +35,24 @@ def row_stats(t: pa.Table | None) -> dict[str, Any]:
         "output_tokens": int(pc.sum(ok.column("num_output_tokens")).as_py() or 0),
         "mean_accepted_per_cycle": acc,  # mean over successful rows of each row's mean (bonus token excluded)
         "decode_seconds": float(pc.sum(ok.column("decode_seconds")).as_py() or 0.0),
+        "payoff_guard": guard_stats(ok),
     }
+
+
+def guard_stats(ok: pa.Table) -> dict[str, Any] | None:
+    """What the payoff guard did on successful rows: rows by outcome (drafted throughout, fell back, held, warm-up),
+    and the share of their cycles it decoded plainly; None where no row ran under the guard (rows written before
+    the columns existed count as none)."""
+    if "guard" not in ok.column_names:
+        return None
+    guarded = ok.filter(pc.is_valid(ok.column("guard")))
+    if not guarded.num_rows:
+        return None
+    outcomes = {d["values"]: d["counts"] for d in pc.value_counts(guarded.column("guard")).to_pylist()}
+    cycles = int(pc.sum(guarded.column("cycles")).as_py() or 0)
+    plain = int(pc.sum(guarded.column("guard_plain_cycles")).as_py() or 0)
+    return {"rows": guarded.num_rows, "rows_by_outcome": dict(sorted(outcomes.items())),
+            "plain_cycles": plain, "cycles": cycles, "plain_cycle_share": plain / cycles if cycles else None}
 
 
 def summarize(output: pa.Table | None, job_ids: pa.Array, run_ids: pa.Array, wall_s: float,
@@ -104,7 +125,19 @@ def format_summary(s: dict[str, Any]) -> str:
             f"({s['skipped_already_done']} already done) in {r['wall_seconds']:.1f} s, "
             f"{r['output_tokens_per_s'] or 0.0:.1f} output tok/s; errors: {kinds}; "
             f"mean accepted/cycle {acc if acc is None else round(acc, 3)}" + _speedup_text(r.get("speedup_vs_ar"), s)
-            + _deduped_text(s))
+            + _deduped_text(s) + guard_text(r.get("payoff_guard")))
+
+
+def guard_text(g: dict[str, Any] | None) -> str:
+    """The payoff guard's part of the summary line: what it held plain, on how many rows, and why."""
+    if not g:
+        return ""
+    by = g["rows_by_outcome"]
+    why = "; ".join(f"{by[k]} rows partly plain, {GUARD_WHY[k]}" for k in ("fell_back", "held", "warm_up")
+                    if by.get(k))
+    share = g["plain_cycle_share"] or 0.0
+    return (f"; payoff guard: {by.get('drafted', 0)}/{g['rows']} rows drafted throughout, {share:.0%} of cycles "
+            f"decoded plainly" + (f" ({why})" if why else ""))
 
 
 def _deduped_text(s: dict[str, Any]) -> str:

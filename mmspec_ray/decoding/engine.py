@@ -203,7 +203,7 @@ class SpecEngine:
             self.calibrator.end_request()
         if guard is not None:
             guard.finish(len(tracker.ids))
-            stats.guard_moves = guard.moves
+            stats.guard_moves, stats.guard, stats.guard_plain_cycles = guard.moves, guard.outcome, dict(guard.plain)
         return self._finish(tracker, stats, t0, d)
 
     def _prompt_draft(self, inputs: dict, remaining: int, guard: object) -> list[int]:

@@ -19,6 +19,8 @@ class GenerationStats:
     tie_cycles: int = 0  # cycles that ended at a half-precision near-tie, without a bonus (decoding/accept.py)
     plain_cycles: int = 0  # cycles that drafted nothing: one-token forwards (payoff guard, 1-token tree, near-tie)
     guard_moves: list[tuple[int, int]] = field(default_factory=list)  # (answer tokens, new ladder rung) per move
+    guard: str | None = None  # what the payoff guard did (decoding/payoff.py RequestGuard.outcome); None: no guard
+    guard_plain_cycles: dict[str, int] = field(default_factory=dict)  # cycles the guard decoded plainly, by why
     prefill_drafted: int = 0  # answer tokens guessed from the prompt and verified in the prefill's forward
     prefill_accepted: int = 0  # of those, accepted
     prefill_s: float = 0.0  # encoding, the prompt's draft and the prefill forward, to the first token

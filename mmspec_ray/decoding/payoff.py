@@ -7,15 +7,17 @@ measured seconds of a plain one-token step, against the cycle's own seconds) and
 when a running mean of that ratio drops below 1: the calibrated tree, a half-size one, then plain one-token steps
 (the AR baseline's own forward, with no drafter work at all). From plain steps it retries drafting after a backoff
 that doubles after each failed retry, and a half-size tree that pays well grows back. What it learns is kept per
-kind of request (media kind and prompt length): where a kind's answers ended, and whether drafting paid on them
-once the drafter's own prefill is counted; a kind where it did not starts plain and begins the drafter only once an
-answer outgrows the kind's usual length. Lossless as ever: the guard only chooses which tree is proposed.
+kind of request (media kind and prompt length): how long its answers run, and what drafting paid on each of its last
+requests once the drafter's own prefill is counted. A kind is held plain at the start of a request only when
+drafting lost on every one of its last requests (at least `KIND_MIN` of them); even then every request measures
+drafting again (a probe) within the first half of the kind's usual answer, so a drafter that pays on some rows of a
+kind is never silenced by the rows it cannot guess. Lossless as ever: the guard only chooses which tree is proposed.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from mmspec_ray.decoding.tree import TreeConfig
@@ -30,10 +32,13 @@ STEPS_KEPT = 16  # ... and then the median of the latest this many plain steps (
 # library start-up, must not set the yardstick for good: a yardstick too long makes any drafting look paying)
 GROW = 1.3  # a running gain at which a shrunk tree grows back one size
 BACKOFF = (8, 64)  # plain steps before drafting is retried: the first wait, and the cap it doubles up to
-KIND_ALPHA = 0.5  # weight of the newest request in a kind's drafting payoff
+KIND_MIN = 4  # drafted requests of a kind, every one a loss, before its requests start plain ...
+KIND_KEPT = 16  # ... judged over the latest this many drafted requests (any one that paid keeps the kind drafting)
 RUNG_ALPHA = 0.2  # weight of the newest drafted cycle in a kind's gain at that rung
 EXPLORE_EVERY = 8  # every this many requests of a kind, one starts on a rung other than the best one so far
 ANSWERS_KEPT = 16  # answer lengths remembered per kind (their median: how long the kind's answers run)
+# why a cycle was decoded plainly by the guard (a row's `guard` outcome names the commonest, "drafted" when none)
+WARM_UP, HELD, FELL_BACK = "warm_up", "held", "fell_back"
 
 
 def ladder(tree: TreeConfig) -> list[TreeConfig]:
@@ -66,19 +71,29 @@ class KindMemory:
     backoff: int = BACKOFF[0]  # plain steps before the next retry
     gains: dict[int, float] = field(default_factory=dict)  # drafting rung -> running gain of its cycles on this kind
     requests: int = 0  # requests of this kind started
-    pay_s: float | None = None  # seconds drafting saved per drafted request (negative: lost), drafter prefill included
+    # seconds drafting saved on each of the latest drafted requests (negative: lost), the drafter's prefill included
+    payoffs: deque = field(default_factory=lambda: deque(maxlen=KIND_KEPT))
     answers: deque = field(default_factory=lambda: deque(maxlen=ANSWERS_KEPT))  # recent answer lengths in tokens
 
+    @property
+    def pay_s(self) -> float | None:
+        """Mean seconds drafting saved per drafted request of this kind lately (None: none drafted yet)."""
+        return statistics.fmean(self.payoffs) if self.payoffs else None
+
+    @property
+    def held(self) -> bool:
+        """Drafting lost on each of this kind's latest drafted requests, at least `KIND_MIN` of them: its requests
+        start plain (and probe). One request that paid among them keeps the kind drafting from the start."""
+        return len(self.payoffs) >= KIND_MIN and max(self.payoffs) < 0
+
     def start_level(self, plain_level: int) -> int:
-        """The rung a request of this kind starts on: plain where the last one ended plain and no drafting rung pays
-        on this kind (it retries after the wait); else the drafting rung with the best gain on this kind so far,
-        trying a rung not yet tried while the best is below `GROW`, and another rung than the best every
-        `EXPLORE_EVERY` requests (so a rung that lost once on a few cycles is measured again)."""
+        """The rung a request of this kind starts on: plain where the kind is `held`; else the drafting rung with
+        the best gain on this kind so far, trying a rung not yet tried while the best is below `GROW`, and another
+        rung than the best every `EXPLORE_EVERY` requests (so a rung that lost once on a few cycles is measured
+        again)."""
         self.requests += 1
-        if self.level >= plain_level and max(self.gains.values(), default=0.0) < 1.0:
-            # every EXPLORE_EVERY-th request drafts again: answers shorter than the backoff never reach a retry
-            remeasure = plain_level > 0 and self.requests % EXPLORE_EVERY == 0
-            return plain_level - 1 if remeasure else plain_level
+        if plain_level == 0 or self.held:
+            return plain_level
         rungs = range(plain_level)
         known = {r: g for r, g in self.gains.items() if r < plain_level}
         if not known:
@@ -91,14 +106,14 @@ class KindMemory:
             return next(r for r in rungs if r != best)
         return best
 
-    def defer(self) -> int:
-        """Answer tokens to decode plainly before the drafter begins: none while drafting pays on this kind, else the
-        kind's usual answer length (answers that end by then never pay the drafter's prefill). Every
-        EXPLORE_EVERY-th request of a deferred kind drafts from its start, so the payoff is measured again (one
-        request that lost to noise must not hold the kind plain for good: a deferred answer never drafts)."""
-        if self.pay_s is None or self.pay_s >= 0 or not self.answers or self.requests % EXPLORE_EVERY == 0:
-            return 0
-        return int(statistics.median(self.answers)) + 1
+    def wait(self) -> int:
+        """Plain steps before drafting is tried again: the backoff, but never past half of the kind's usual answer,
+        so that every request of the kind measures drafting at least once (a wait as long as the answers it holds
+        plain would silence the drafter for good, and probes on a few requests can all land on rows it cannot
+        guess)."""
+        if not self.answers:
+            return self.backoff
+        return max(1, min(self.backoff, int(statistics.median(self.answers)) // 2))
 
 
 class PayoffGuard:
@@ -130,7 +145,7 @@ class RequestGuard:
         self.ladder = ladder(tree)
         self.plain_level = len(self.ladder) - 1
         self.level = memory.start_level(self.plain_level)
-        self.defer = memory.defer()
+        self.wait = memory.wait()  # plain steps before a retry, this request
         self.gain: float | None = None  # running mean of (tokens x plain-step seconds / cycle seconds) at this rung
         self.judged = 0  # drafted cycles at this rung since it was entered
         self.plain_run = 0  # plain steps since drafting last stopped
@@ -138,14 +153,26 @@ class RequestGuard:
         self.pay_s = 0.0  # seconds drafting saved on this request so far (negative: lost)
         self.drafted = False
         self.moves: list[tuple[int, int]] = []  # (answer tokens so far, new rung) at each move: the stats' record
+        self.why = HELD  # why the guard's plain steps are plain, while they are (the kind held; a fall back)
+        self.plain: Counter[str] = Counter()  # cycles this guard decoded plainly, by why
+
+    @property
+    def outcome(self) -> str:
+        """What the guard did on this request: `drafted` (it never held a cycle plain), else why most of its plain
+        cycles were plain: `held` (the kind lost on its latest requests), `fell_back` (drafting did not pay on
+        this request), `warm_up` (a plain step's time was still being measured)."""
+        return self.plain.most_common(1)[0][0] if self.plain else "drafted"
 
     def next_tree(self, generated: int) -> TreeConfig:
         """The tree of the coming cycle, `generated` answer tokens in."""
-        if len(self.guard.steps) < YARDSTICK or generated < self.defer:  # the yardstick first; a short kind's answers
+        if len(self.guard.steps) < YARDSTICK:  # the yardstick first
+            self.plain[WARM_UP] += 1
             return PLAIN
-        if self.level == self.plain_level and self.plain_level > 0 and self.plain_run >= self.memory.backoff:
+        if self.level == self.plain_level and self.plain_level > 0 and self.plain_run >= self.wait:
             self._move(self.plain_level - 1, generated)
             self.retry = True
+        if self.level == self.plain_level and self.plain_level > 0:
+            self.plain[self.why] += 1
         return self.ladder[self.level]
 
     def record(self, tree: TreeConfig, tokens: int, seconds: float, extra_s: float = 0.0, generated: int = 0) -> None:
@@ -172,9 +199,13 @@ class RequestGuard:
                 return  # of hard tokens (a caption's first content words) gets as many cycles again
             if self.retry and self.level + 1 == self.plain_level:  # a retry that failed: wait longer next time
                 self.memory.backoff = min(2 * self.memory.backoff, BACKOFF[1])
+                self.wait = self.memory.wait()
+            if self.level + 1 == self.plain_level and not self.retry:
+                self.why = FELL_BACK  # (a failed retry keeps the stretch's why: a held kind stays held)
             self._move(self.level + 1, generated)
         elif self.retry:  # a retry that paid: back to the first wait
             self.retry, self.memory.backoff = False, BACKOFF[0]
+            self.wait, self.why = self.memory.wait(), FELL_BACK
         elif self.gain >= GROW and self.level > 0:
             self._move(self.level - 1, generated)
 
@@ -183,8 +214,7 @@ class RequestGuard:
         self.memory.level = self.level
         self.memory.answers.append(answer_tokens)
         if self.drafted:
-            self.memory.pay_s = self.pay_s if self.memory.pay_s is None else (
-                KIND_ALPHA * self.pay_s + (1 - KIND_ALPHA) * self.memory.pay_s)
+            self.memory.payoffs.append(self.pay_s)
 
     def _move(self, level: int, generated: int) -> None:
         self.level, self.gain, self.judged, self.plain_run = level, None, 0, 0

@@ -292,6 +292,7 @@ class ChatServer:
         now = time.perf_counter()
         self.metrics.finished(now - t0, None if first is None else first - t0, len(gen.token_ids),
                               gen.stats.total_s, gen.stats.mean_accepted)
+        self.metrics.guarded(gen.stats.guard, gen.stats.cycles, gen.stats.guard_plain_cycles)
 
     def _count(self, status: int | str, stream: bool) -> None:
         self.counts[str(status)] += 1

@@ -1,5 +1,6 @@
 """Serve metrics through Ray's metrics API (exported on Ray's Prometheus endpoint with a `ray_` prefix):
-requests by outcome, latency, time to first token, output tokens/s, accepted tokens per cycle, queue depth."""
+requests by outcome, latency, time to first token, output tokens/s, accepted tokens per cycle, queue depth, and what
+the payoff guard did (requests by its outcome, cycles it decoded plainly and why)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,11 @@ class ServeMetrics:
         self.queue_depth = metrics.Gauge("mmspec_serve_queue_depth", "requests in this replica waiting for the "
                                          "decoder (Serve's proxy queue: ray_serve_deployment_queued_queries)",
                                          tag_keys=tags)
+        self.guard = metrics.Counter("mmspec_serve_guard_requests", "requests by what the payoff guard did: drafted "
+                                     "(never held plain), fell_back, held, warm_up", tag_keys=("model", "guard"))
+        self.cycles = metrics.Counter("mmspec_serve_cycles", "target forwards after the prefill", tag_keys=tags)
+        self.plain_cycles = metrics.Counter("mmspec_serve_guard_plain_cycles", "cycles the payoff guard decoded "
+                                            "plainly, by why (fell_back, held, warm_up)", tag_keys=("model", "why"))
         self.active = metrics.Gauge("mmspec_serve_decoding", "requests decoding now (0 or 1)", tag_keys=tags)
 
     def request(self, status: int | str, stream: bool) -> None:
@@ -46,6 +52,17 @@ class ServeMetrics:
         if decode_s > 0:
             self.tokens_per_s.observe(tokens / decode_s, tags)
         self.accepted.observe(accepted, tags)
+
+    def guarded(self, outcome: str | None, cycles: int, plain: dict[str, int]) -> None:
+        """One answer's payoff-guard record (nothing for a decoder without a guard)."""
+        if cycles > 0:
+            self.cycles.inc(cycles, {"model": self.model})
+        if outcome is None:
+            return
+        self.guard.inc(1, {"model": self.model, "guard": outcome})
+        for why, n in plain.items():
+            if n > 0:
+                self.plain_cycles.inc(n, {"model": self.model, "why": why})
 
     def depth(self, waiting: int, decoding: int) -> None:
         self.queue_depth.set(waiting, {"model": self.model})

@@ -188,7 +188,9 @@ def spec_stats(stats: GenerationStats) -> dict[str, Any]:
     the answer, and first_token_s, from arrival to the first token committed)."""
     return {"accepted_per_cycle": round(stats.mean_accepted, 4),
             "tokens_per_forward": round(stats.tokens_per_forward, 4), "cycles": stats.cycles,
-            "prefill_s": round(stats.prefill_s, 6), "decode_s": round(stats.total_s, 6)}
+            "prefill_s": round(stats.prefill_s, 6), "decode_s": round(stats.total_s, 6),
+            # what the payoff guard did (decoding/payoff.py): drafted, fell_back, held, warm_up; null without one
+            "guard": stats.guard, "guard_plain_cycles": sum(stats.guard_plain_cycles.values())}
 
 
 def completion_body(cid: str, model: str, gen: Generation, timing: dict[str, float] | None = None) -> dict[str, Any]:
