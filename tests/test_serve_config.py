@@ -87,3 +87,33 @@ def test_serve_run_toy_config_with_the_tiny_checkpoint(ckpt, tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+def test_a_gpu_config_on_a_machine_without_gpus_is_refused_in_one_line_before_ray_starts(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """`python -m mmspec_ray.serve deployments/gpu.yaml` on a machine whose torch sees no GPU: one line, exit 2,
+    naming where the GPU is asked for and the CPU config (Ray would otherwise wait for a GPU forever). The same for
+    a replica asking more CPUs than the machine has; the CPU config passes; a cluster named in RAY_ADDRESS decides
+    for itself (its autoscaler may add GPU nodes)."""
+    import ray
+    import torch
+
+    from mmspec_ray.serve.__main__ import check_config_fits, main
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    gpu = str(ROOT / "deployments" / "gpu.yaml")
+    assert main([gpu]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "asks for 1 GPU" in err and "deployments/cpu.yaml" in err, err
+    assert "ChatCompletions ray_actor_options" in err and not ray.is_initialized()
+    assert check_config_fits(str(ROOT / "deployments" / "cpu.yaml"), {}) is None
+    assert check_config_fits(gpu, {"RAY_ADDRESS": "ray://head:10001"}) is None
+    data = yaml.safe_load((ROOT / "deployments" / "cpu.yaml").read_text())
+    data["applications"][0]["args"]["gpus_per_replica"] = 1  # asked in the app's args instead
+    (tmp_path / "args.yaml").write_text(yaml.safe_dump(data))
+    assert "args.gpus_per_replica" in check_config_fits(str(tmp_path / "args.yaml"), {})
+    data["applications"][0]["args"]["gpus_per_replica"] = 0
+    data["applications"][0]["deployments"][0]["ray_actor_options"] = {"num_cpus": (os.cpu_count() or 1) + 1}
+    (tmp_path / "cpus.yaml").write_text(yaml.safe_dump(data))
+    assert "CPUs" in check_config_fits(str(tmp_path / "cpus.yaml"), {})

@@ -1,12 +1,16 @@
 """`python -m mmspec_ray.serve CONFIG [serve run options]`: Ray Serve's `serve run` with this server's environment.
 Where no cluster is named (RAY_ADDRESS) and Ray's token auth is off (RAY_AUTH_MODE, default disabled here), the
-Ray it starts listens on loopback only; Ray's HTTP proxy answers its own errors in the API's JSON format."""
+Ray it starts listens on loopback only; Ray's HTTP proxy answers its own errors in the API's JSON format. Where it
+starts that Ray itself, a replica asking for more GPUs or CPUs than this machine has is refused in one line (exit 2)
+before Ray starts: on a fixed machine Ray would wait for them forever."""
 
 from __future__ import annotations
 
 import os
 import sys
 from collections.abc import MutableMapping
+from pathlib import Path
+from typing import Any
 
 from mmspec_ray.serve.proxy_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
@@ -22,8 +26,66 @@ def serve_environment(env: MutableMapping[str, str]) -> None:
     env.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)
 
 
+def replica_asks(app: dict[str, Any]) -> dict[str, tuple[float, str]]:
+    """What one replica of a config's application asks for: {"GPU"|"CPU": (count, where it is set)}. The
+    config's `deployments:` section wins (Serve applies it over the app), then the app's `args.deployment`, then
+    `args.gpus_per_replica` (auto asks for none where the machine has no GPU)."""
+    from mmspec_ray.serve.settings import DEFAULT_DEPLOYMENT
+
+    args = app.get("args") or {}
+    out: dict[str, tuple[float, str]] = {}
+    default = DEFAULT_DEPLOYMENT.get("ray_actor_options") or {}
+    for key, res in (("num_gpus", "GPU"), ("num_cpus", "CPU")):
+        if key in default:
+            out[res] = (float(default[key]), "the server's default")
+    gpus = args.get("gpus_per_replica", "auto")
+    if gpus != "auto":
+        out["GPU"] = (float(gpus), "args.gpus_per_replica")
+    sources = [((args.get("deployment") or {}).get("ray_actor_options") or {}, "args.deployment.ray_actor_options")]
+    sources += [(d.get("ray_actor_options") or {}, f"deployments: {d.get('name')} ray_actor_options")
+                for d in app.get("deployments") or [] if d.get("name") in (None, "ChatCompletions")]
+    for options, where in sources:
+        for key, res in (("num_gpus", "GPU"), ("num_cpus", "CPU")):
+            if options.get(key) is not None:
+                out[res] = (float(options[key]), where)
+    return out
+
+
+def check_config_fits(path: str, env: MutableMapping[str, str]) -> str | None:
+    """Why the config's replicas can never start on this machine (None: they fit, or a cluster named in RAY_ADDRESS
+    decides, its autoscaler perhaps adding nodes). Only where this command starts Ray on this machine."""
+    import yaml
+
+    if env.get("RAY_ADDRESS") or not path.endswith((".yaml", ".yml")) or not Path(path).is_file():
+        return None
+    config = yaml.safe_load(Path(path).read_text()) or {}
+    for app in config.get("applications") or []:
+        if app.get("import_path", "").split(":")[0] != "mmspec_ray.serve.app":
+            continue
+        asks = replica_asks(app)
+        gpus, where = asks.get("GPU", (0.0, ""))
+        if gpus > 0:
+            import torch
+
+            if torch.cuda.device_count() < gpus:
+                return (f"{path}: a replica asks for {gpus:g} GPU ({where}) but this machine has "
+                        f"{torch.cuda.device_count()} that torch can use, so Ray would wait for one forever; on a CPU "
+                        "machine serve deployments/cpu.yaml (your checkpoint, float32 on CPU) or set num_gpus: 0 "
+                        "there, or name a GPU cluster in RAY_ADDRESS")
+        cpus, where = asks.get("CPU", (0.0, ""))
+        if cpus > (os.cpu_count() or 1):
+            return (f"{path}: a replica asks for {cpus:g} CPUs ({where}) but this machine has {os.cpu_count()}, so "
+                    "Ray would wait for them forever; lower num_cpus there (leave one CPU for Serve's proxy and "
+                    "controller)")
+    return None
+
+
 def main(argv: list[str]) -> int:
     serve_environment(os.environ)
+    why = check_config_fits(argv[0], os.environ) if argv else None
+    if why:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     from ray.serve.scripts import cli
 
     return cli.main(["run", *argv], prog_name="python -m mmspec_ray.serve", standalone_mode=True) or 0
