@@ -298,7 +298,8 @@ def bench_drafters(spec: str) -> dict[str, str]:
         label, _, path = part.partition("=")
         bare = part.rpartition("@")[0] if "@" in part else part  # the label leaves out the tree (@auto, @k4d5n16)
         label, path = (label, path) if path else (Path(bare).name if "/" in bare else bare, part)
-        if label in out or label in ("ar", "hf_generate", "hf_prompt_lookup", "hf_assisted", "ngram", "oracle"):
+        if label in out or label in ("ar", "ar_again", "hf_generate", "hf_prompt_lookup", "hf_assisted", "ngram",
+                                       "oracle"):
             raise UsageError(f"--drafter: the label {label!r} is taken; name it as LABEL=PATH")
         out[label] = path
     return out

@@ -18,11 +18,11 @@ def test_bench_records_every_method_and_token_counts_agree(tmp_path):
     reqs = [Request(prompt="describe the image", images=tuple(random_images(1, seed=s))) for s in range(2)]
     cfg = BenchConfig(prompts=2, max_new_tokens=12, repeats=1, temperatures=(0.0, 1.0),
                       tree=TreeConfig(top_k=2, depth=2, total_tokens=6))
-    res = run_bench(target, reqs, None, cfg)
-    ran = {m for m in ("ar", "hf_generate", "hf_prompt_lookup", "ngram", "oracle")
+    res = run_bench(target, reqs, {"idle": "none"}, cfg)  # "none": a drafter that never proposes a token
+    ran = {m for m in ("ar", "ar_again", "hf_generate", "hf_prompt_lookup", "ngram", "oracle", "idle")
            if not any(e["method"] == m and e["temperature"] == 0.0 for e in res.get("errors", []))}
     # HF prompt lookup may copy image placeholder ids out of the prompt and then fail inside HF (reported, not fatal)
-    assert ran >= {"ar", "hf_generate", "ngram", "oracle"}, res.get("errors")
+    assert ran >= {"ar", "ar_again", "hf_generate", "ngram", "oracle", "idle"}, res.get("errors")
     for m in ran:
         toks = {(r["prompt"], r["tokens"]) for r in res["runs"] if r["temperature"] == 0.0 and r["method"] == m}
         ar = {(r["prompt"], r["tokens"]) for r in res["runs"] if r["temperature"] == 0.0 and r["method"] == "ar"}
@@ -41,6 +41,19 @@ def test_bench_records_every_method_and_token_counts_agree(tmp_path):
     assert 0.02 < oracle["efficiency"] < 2.0, oracle  # a fraction of the ideal, give or take timing noise
     md = to_markdown(res, "tiny")
     assert "| oracle |" in md and "T = 1.0" in md
+    # how far to trust each figure: an interval and flags on every row, AR against itself, the flag on a drafter that
+    # drafted nothing, and the warning for 2 prompts x 1 repeat (no timing value is asserted: any CPU passes)
+    for temp, table in res["summary"].items():
+        for m, row in table.items():
+            lo, hi = row["speedup_ci95"]
+            assert lo <= row["speedup_median"] <= hi and row["measurements"] == 2 and isinstance(row["flags"], list)
+        assert table["idle"]["nodraft_share"] == 1.0 and table["idle"]["flags"][0].startswith("drafted nothing")
+        assert not table["ar"]["flags"] and not table["ar_again"]["flags"]
+        assert "within_noise" in table["ngram"] and "within_noise" not in table["ar_again"]
+    assert any("2 prompts x 1 repeat" in w for w in res["warnings"])
+    assert "Noise floor: AR timed twice per prompt" in md and "**Too few measurements**" in md
+    assert "- **idle " in md and "this is AR's speed, not the drafter's" in md and "**drafted nothing**" in md
+    assert "learning_off" not in res and "Learning is off" not in md
 
 
 def test_bench_methods_take_their_own_tree_or_a_calibrated_one(tmp_path, monkeypatch):
@@ -54,8 +67,10 @@ def test_bench_methods_take_their_own_tree_or_a_calibrated_one(tmp_path, monkeyp
     target = wrap(*tiny_llava())
     reqs = [Request(prompt="describe the image", images=tuple(random_images(1, seed=s))) for s in range(2)]
     cfg = BenchConfig(prompts=2, max_new_tokens=12, repeats=1, temperatures=(0.0,), peers=False)
-    res = run_bench(target, reqs, {"ng-auto": "ngram:1@auto", "ng-k2": "ngram:1@k2d2n6"}, cfg)
-    assert set(res["summary"]["0.0"]) == {"ar", "ng-auto", "ng-k2"}  # no peers
+    res = run_bench(target, reqs, {"ng-auto": "ngram:1@auto", "ng-k2": "ngram:1@k2d2n6", "sfx": "suffix@k2d2n6"}, cfg)
+    assert set(res["summary"]["0.0"]) == {"ar", "ng-auto", "ng-k2", "sfx", "ar_again"}  # no peers
+    assert res["learning_off"] == ["sfx"]  # the suffix drafter decodes with its corpus as built, and bench.md says so
+    assert "Learning is off during the bench for sfx" in to_markdown(res, "tiny")
     assert res["trees"]["ng-k2"] == {"top_k": 2, "depth": 2, "total_tokens": 6}
     cal = res["calibration"]["ng-auto"]
     assert res["trees"]["ng-auto"] == cal["tree"] and cal["probe_cycles"] >= 1 and not cal["cached"]
@@ -229,3 +244,59 @@ def test_weights_digest_reads_tensors_not_file_bytes(tmp_path):
     save_file(t, str(tmp_path / "z.safetensors"))
     x, y, z = (mod.digest(tmp_path / f"{n}.safetensors") for n in "xyz")
     assert x == y != z
+
+
+def test_noise_interval_flags_and_warnings_on_made_up_runs():
+    """bench/noise.py on made-up numbers: the bootstrap interval is seeded and holds the median; a method flags
+    'drafted nothing' from 95 % of its cycles and 'within noise' when its interval overlaps AR against itself; too
+    few timed runs are warned of; bench.md says all of it in words."""
+    from mmspec_ray.bench import noise
+
+    vals = [0.9, 1.1, 1.4, 2.0, 0.7, 1.2]
+    lo, hi = noise.median_interval(vals)
+    assert (lo, hi) == noise.median_interval(vals) and lo <= 1.15 <= hi and min(vals) <= lo and hi <= max(vals)
+    assert noise.median_interval([1.3]) == (1.3, 1.3) and noise.median_interval([2.0] * 5) == (2.0, 2.0)
+    with pytest.raises(ValueError):
+        noise.median_interval([])
+    assert noise.within_noise((0.9, 1.3), (0.95, 1.05)) and noise.within_noise((1.04, 1.2), (0.95, 1.05))
+    assert not noise.within_noise((1.1, 1.3), (0.95, 1.05)) and not noise.within_noise((0.5, 0.9), (0.95, 1.05))
+    assert noise.within_noise((0.8, 1.2), None) and not noise.within_noise((1.2, 1.5), None)  # no band: holds 1.0?
+    band = (0.9, 1.1)
+    assert noise.flags("x", {"nodraft_share": 0.95, "speedup_ci95": [1.5, 2.0]}, band) == [
+        "drafted nothing in 95% of cycles: this is AR's speed, not the drafter's"]
+    assert noise.flags("x", {"nodraft_share": 0.94, "speedup_ci95": [1.5, 2.0]}, band) == []
+    assert noise.flags("x", {"speedup_ci95": [1.0, 1.6]}, band) == [
+        "within noise: its 95 % interval 1.00-1.60x overlaps AR against itself, which spans 0.90-1.10x here"]
+    assert noise.flags("ar", {"nodraft_share": 1.0, "speedup_ci95": [1.0, 1.0]}, band) == []
+    assert noise.flags("ar_again", {"nodraft_share": 1.0, "speedup_ci95": [1.0, 1.0]}, band) == []
+    assert noise.few_measurements(12, 1) is None and noise.few_measurements(4, 3) is None
+    warn = noise.few_measurements(6, 1, "workload w: ")
+    assert warn.startswith("workload w: only 6 timed runs per method") and "(6 prompts x 1 repeat)" in warn
+    assert "--prompts" in warn and "--repeats" in warn
+
+    eng = dict(prefill_s=0.1, draft_s=0.01, overhead_s=0.0, verify_s=0.5)
+    runs = []
+    for p in range(4):  # ar_again 0.9-1.2x of AR; "idle" plain steps only at AR's pace; "fast" 2x with drafts
+        for m, sec, extra in (("ar", 1.0, dict(accepted=0, cycles=9, plain_cycles=9)),
+                              ("idle", 1.0, dict(accepted=0, cycles=9, plain_cycles=3, empty_proposals=6)),
+                              ("fast", 0.5, dict(accepted=6, cycles=3, plain_cycles=0)),
+                              ("ar_again", (0.9, 1.0, 1.1, 1.2)[p], dict(accepted=0, cycles=9, plain_cycles=9))):
+            runs.append({**_run(m, 0.0, sec, 10, **eng, **extra), "prompt": p})
+    s = summarize(runs)["0.0"]
+    assert s["idle"]["nodraft_share"] == pytest.approx(1.0) and s["idle"]["plain_share"] == pytest.approx(1 / 3)
+    assert s["idle"]["within_noise"] and [f.split(":")[0] for f in s["idle"]["flags"]] == [
+        "drafted nothing in 100% of cycles", "within noise"]
+    assert s["fast"]["speedup_ci95"] == [2.0, 2.0] and not s["fast"]["within_noise"] and s["fast"]["flags"] == []
+    assert s["ar_again"]["flags"] == [] and s["ar"]["measurements"] == 4
+    assert noise.short_flags(s["idle"]) == "**drafted nothing**; within noise" and noise.short_flags(s["fast"]) == ""
+    res = {"summary": {"0.0": s}, "runs": runs, "warnings": [noise.few_measurements(4, 1)], "learning_off": ["sfx"]}
+    md = to_markdown(res, "made up")
+    assert "- **Too few measurements**: only 4 timed runs per method" in md
+    assert "Learning is off during the bench for sfx" in md and "saved corpus" in md
+    assert "Noise floor: AR timed twice per prompt" in md and f"AR against itself {s['ar_again']['speedup_median']:.2f}x (median over 4 prompts" in md
+    assert "| idle | 4 | 1.00x | 1.00-1.00 | **drafted nothing**; within noise |" in md
+    assert "| fast | 4 | 2.00x | 2.00-2.00 |  |" in md
+    assert "- **idle 1.00x**: drafted nothing in 100% of cycles: this is AR's speed, not the drafter's; within noise" in md
+    info = {"a": {"source": "x", "prompts": 4, "max_new_tokens": 8, "skipped": []}}
+    md = to_markdown({**res, "workloads": {"a": {"0.0": s}}, "workload_info": info}, "one workload")
+    assert "| idle | 1.00x (1.00-1.00) **drafted nothing**; within noise |" in md  # the method x workload table

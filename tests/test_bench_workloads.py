@@ -70,7 +70,7 @@ def test_bench_cli_on_a_checkpoint_with_local_and_s3_request_parquets(tmp_path, 
     assert [s["row"] for s in info["local"]["skipped"]] == ["bad"] and not info["remote"]["skipped"]
     assert set(res["workloads"]) == {"local", "remote"}
     for w in ("local", "remote"):
-        assert set(res["workloads"][w]["0.0"]) == {"ar", "ngram:1"}
+        assert set(res["workloads"][w]["0.0"]) == {"ar", "ngram:1", "ar_again"}  # ar_again: AR against itself
         assert res["workloads"][w]["0.0"]["ar"]["prompts"] == 2
         assert {r["prompt"] for r in res["runs"] if r["workload"] == w and r["method"] == "ngram:1"} == (
             {0, 1} if w == "local" else {2, 3})  # one numbering over the run
@@ -78,6 +78,8 @@ def test_bench_cli_on_a_checkpoint_with_local_and_s3_request_parquets(tmp_path, 
     md = (out / "bench.md").read_text()
     assert "| method | local | remote | every workload |" in md and "#### workload remote: 2 prompts" in md
     assert "row bad not read" in md
+    # 2 prompts x 1 repeat per workload, 4 pooled: too few timed runs, said for each
+    assert len(res["warnings"]) == 3 and "workload remote: only 2 timed runs" in md and "Noise floor" in md
     assert (out / "speedup.png").read_bytes()[:4] == b"\x89PNG"
 
     rc = main(["bench", "--target", ckpt, "--workloads", "long", "--drafter", "", "--out", str(out)])

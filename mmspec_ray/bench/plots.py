@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-PEERS = ("ar", "hf_generate", "hf_prompt_lookup", "hf_assisted")  # methods with no verify cycles of ours
+PEERS = ("ar", "ar_again", "hf_generate", "hf_prompt_lookup", "hf_assisted")  # methods with no drafts of ours
 
 
 def _pyplot():

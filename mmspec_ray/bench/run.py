@@ -10,6 +10,8 @@ forward (accepted + 1). The oracle drafter (proposes the AR answer)
 gives the engine-efficiency figure: decode-only speedup / ideal speedup, ideal = (accepted + 1) x AR decode step
 time / target verify-forward time per cycle (what a free drafter and free bookkeeping would give). Prefill is
 excluded from both sides of that ratio (decode time per token after the first), since the ideal has no prefill term.
+How far each figure can be trusted (bench/noise.py): AR runs twice per prompt (`ar_again`, the noise floor), every
+speedup has a bootstrap interval over prompts, and a method that drafted nothing or sits within noise is flagged.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel
 
+from mmspec_ray.bench import noise
 from mmspec_ray.bench.plots import write_plots
+from mmspec_ray.bench.report import to_markdown
 from mmspec_ray.bench.workloads import Workload
 from mmspec_ray.config import SamplingParams
 from mmspec_ray.drafters.base import load_drafter, stop_learning
@@ -83,14 +87,42 @@ def accepted_counts(accepted_per_cycle: list[int]) -> list[int]:
     return counts
 
 
+class ProposalCounter:
+    """A drafter as the engine sees it, counting the proposals that hold the root alone: cycles that verified no
+    draft token although the engine asked for a tree (the engine's `plain_cycles` counts only those it did not ask)."""
+
+    def __init__(self, drafter: object) -> None:
+        self.__dict__.update(drafter=drafter, empty=0)
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["drafter"], name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in self.__dict__:
+            self.__dict__[name] = value
+        else:
+            setattr(self.drafter, name, value)
+
+    def propose(self, root: int, cfg: TreeConfig):
+        tree = self.drafter.propose(root, cfg)
+        self.empty += len(tree.tokens) <= 1
+        return tree
+
+
 def _engine_runner(engine: SpecEngine, req: Request, max_new_tokens: int,
                    sampling: SamplingParams) -> Callable[[], tuple[int, dict]]:
+    if not isinstance(engine.drafter, ProposalCounter):
+        engine.drafter = ProposalCounter(engine.drafter)
+    counter = engine.drafter
+
     def run() -> tuple[int, dict]:
+        counter.empty = 0
         g = engine.generate(req, sampling, max_new_tokens=max_new_tokens)
         st = g.stats
         return len(g.token_ids), {"accepted": sum(st.accepted_per_cycle), "cycles": st.cycles, "prefill_s": st.prefill_s,
                                   "draft_s": st.draft_s, "verify_s": st.verify_s, "overhead_s": st.overhead_s,
                                   "draft_passes": st.draft_passes, "plain_cycles": st.plain_cycles,
+                                  "empty_proposals": counter.empty,
                                   "drafter_prefill_s": st.drafter_prefill_s,
                                   "drafter_prefill_tokens": st.drafter_prefill_tokens, "prompt_tokens": st.prompt_tokens,
                                   "accepted_hist": accepted_counts(st.accepted_per_cycle),
@@ -162,6 +194,11 @@ def run_bench(target: VLMTarget, requests: list[Request] | list[Workload], draft
                      "workload_info": {w.name: {"source": w.source, "prompts": len(w.requests),
                                                 "max_new_tokens": w.max_new_tokens or cfg.max_new_tokens,
                                                 "skipped": w.skipped} for w in workloads}}
+    counts = [(len(items), "")] + [(len(w.requests), f"workload {w.name}: ") for w in workloads if len(workloads) > 1]
+    for n, where in counts:  # said before the run starts, and again in bench.md
+        if (warning := noise.few_measurements(n, cfg.repeats, where)) is not None:
+            log.warning("bench: %s", warning)
+            results.setdefault("warnings", []).append(warning)
     loaded, trees, guards = {}, {}, {}
     for label, spec in (drafters or {}).items():
         path, tree = split_tree(spec)
@@ -208,6 +245,8 @@ def run_bench(target: VLMTarget, requests: list[Request] | list[Workload], draft
             if temp == 0.0 and cfg.peers:
                 methods["oracle"] = _engine_runner(SpecEngine(target, OracleDrafter(ref.token_ids), cfg.tree), req,
                                                    max_new, sampling)
+            # AR once more, last in each repeat's order: AR against itself, as far apart as any method is from AR
+            methods[noise.NOISE_METHOD] = _engine_runner(ar, req, max_new, sampling)
             for name, fn in list(methods.items()):  # warm-up of each path on this prompt
                 try:
                     fn()
@@ -262,8 +301,9 @@ def summarize(runs: list[dict]) -> dict:
             mine = [p for p in prompts if any(r["method"] == m and r["prompt"] == p for r in rs)]
             sp = [per_token("ar", p) / per_token(m, p) for p in mine]
             mr = [r for r in rs if r["method"] == m]
-            row = {"prompts": len(mine), "speedup_median": statistics.median(sp), "speedup_min": min(sp),
-                   "speedup_max": max(sp),
+            row = {"prompts": len(mine), "measurements": sum(r["method"] == m for r in rs),
+                   "speedup_median": statistics.median(sp), "speedup_ci95": list(noise.median_interval(sp)),
+                   "speedup_min": min(sp), "speedup_max": max(sp),
                    "tokens_per_s": sum(r["tokens"] for r in mr) / sum(r["seconds"] for r in mr)}
             if "identical" in mr[0]:  # T = 0: runs whose answer is AR's, token for token
                 row.update(identical=sum(r["identical"] for r in mr), runs=len(mr))
@@ -276,6 +316,8 @@ def summarize(runs: list[dict]) -> dict:
                     row["passes_per_cycle"] = passes / max(1, sum(r["cycles"] for r in mr))
                 ncyc = max(1, sum(r["cycles"] for r in mr))  # draft time includes the drafter's begin (its prefill)
                 row["plain_share"] = sum(r.get("plain_cycles", 0) for r in mr) / ncyc
+                # cycles that verified no draft token: plain steps and proposals of the root alone
+                row["nodraft_share"] = row["plain_share"] + sum(r.get("empty_proposals", 0) for r in mr) / ncyc
                 row.update(draft_ms_per_cycle=1e3 * sum(r["draft_s"] for r in mr) / ncyc,
                            verify_ms_per_cycle=1e3 * sum(r["verify_s"] for r in mr) / ncyc,
                            overhead_ms_per_cycle=1e3 * sum(r.get("overhead_s", 0.0) for r in mr) / ncyc,
@@ -292,89 +334,13 @@ def summarize(runs: list[dict]) -> dict:
                         for p in mine)
                     row["efficiency"] = row["decode_speedup_median"] / row["ideal_speedup"]
             table[m] = row
+        noise.annotate(table)
         out[str(temp)] = table
     return out
 
 
-def matrix_markdown(results: dict) -> list[str]:
-    """Speedup over AR (median per prompt) per method (rows) and workload (columns), one table per temperature."""
-    lines: list[str] = []
-    by_w = results["workloads"]
-    for temp in results["summary"]:
-        names = list(by_w)
-        lines += [f"Speedup over AR per token (median over prompts), T = {temp}", "",
-                  "| method | " + " | ".join(names) + " | every workload |", "|---" * (len(names) + 2) + "|"]
-        for m in results["summary"][temp]:
-            cells = [f"{by_w[w][temp][m]['speedup_median']:.2f}x" if m in by_w[w].get(temp, {}) else "-"
-                     for w in names]
-            lines.append(f"| {m} | " + " | ".join(cells) + f" | {results['summary'][temp][m]['speedup_median']:.2f}x |")
-        lines.append("")
-    return lines
-
-
-def summary_markdown(summary: dict) -> list[str]:
-    """One table per temperature: every method's speedup, τ and cycle split."""
-    lines: list[str] = []
-    for temp, table in summary.items():
-        lines += [f"T = {temp}", "",
-                  "| method | prompts | speedup vs AR per token (median) | min-max | decode-only speedup | tokens/s | "
-                  "accepted/cycle | tokens/forward | draft ms/cycle | verify ms/cycle | drafter prefill ms/request | "
-                  "drafter prefill tokens/request (of the prompt's) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for m, r in table.items():
-            acc = f"{r['accepted_per_cycle']:.2f}" if "accepted_per_cycle" in r else "-"
-            tpf = f"{r['tokens_per_forward']:.2f}" if "tokens_per_forward" in r else "-"
-
-            def ms(kind: str, r=r) -> str:
-                return f"{r[kind + '_ms_per_cycle']:.1f}" if kind + "_ms_per_cycle" in r else "-"
-
-            dec = f"{r['decode_speedup_median']:.2f}x" if "decode_speedup_median" in r else "-"
-            lines.append(f"| {m} | {r['prompts']} | {r['speedup_median']:.2f}x | {r['speedup_min']:.2f}-{r['speedup_max']:.2f} | "
-                         f"{dec} | {r['tokens_per_s']:.1f} | {acc} | {tpf} | {ms('draft')} | {ms('verify')} | "
-                         + (f"{r['drafter_prefill_ms']:.1f} |" if "drafter_prefill_ms" in r else "- |")
-                         + (f" {r['drafter_prefill_tokens']:.0f} ({r['prompt_tokens']:.0f}) |"
-                            if "drafter_prefill_tokens" in r else " - |"))
-            if r.get("efficiency") is not None:
-                lines.append(f"| (oracle: ideal {r['ideal_speedup']:.2f}x, efficiency {r['efficiency']:.0%} of it, decode-only) |"
-                             " | | | | | | | | | | |")
-        same = [f"{m} {r['identical']}/{r['runs']}" for m, r in table.items() if "identical" in r]
-        if same:
-            lines += ["", "runs whose answer is AR's, token for token: " + ", ".join(same)]
-        per_pass = [f"{m} {r['accepted_per_pass']:.2f} ({r['passes_per_cycle']:.2f} passes/cycle)"
-                    for m, r in table.items() if "accepted_per_pass" in r]
-        if per_pass:
-            lines += ["", "accepted draft tokens per drafter forward: " + ", ".join(per_pass)]
-        plain = [f"{m} {r['plain_share']:.0%}" for m, r in table.items()
-                 if r.get("plain_share") and m != "ar"]
-        if plain:
-            lines += ["", "cycles that drafted nothing (plain one-token steps: payoff guard, 1-token tree, near-ties): "
-                      + ", ".join(plain)]
-        lines.append("")
-    return lines
-
-
-def to_markdown(results: dict, title: str) -> str:
-    lines = [f"### {title}", ""]
-    if "device" in results:  # older results have none
-        lines += [f"Device: {results['device']}; {results['dtype']}; torch {results.get('torch', '?')}.", ""]
-    if "workloads" in results:
-        lines += matrix_markdown(results)
-        for name, summary in results["workloads"].items():
-            info = results["workload_info"][name]
-            lines += [f"#### workload {name}: {info['prompts']} prompts ({info['source']}), max_new_tokens "
-                      f"{info['max_new_tokens']}", ""] + summary_markdown(summary)
-        lines += ["#### every workload pooled", ""]
-    lines += summary_markdown(results["summary"])
-    for name, info in results.get("workload_info", {}).items():
-        for sk in info["skipped"]:
-            lines.append(f"- workload {name}: row {sk['row']} not read: {sk['error']}")
-    for e in results.get("errors", []):
-        lines.append(f"- not measured: {e['method']} at T={e['temperature']} on prompt {e['prompt']}"
-                     + (f" ({e['workload']})" if "workload" in e else "") + f": {e['error']}")
-    return "\n".join(lines)
-
-
 def write_results(results: dict, out_dir: str | Path, title: str) -> Path:
+    """bench.json, bench.md (bench/report.py) and the plots in `out_dir`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(results, indent=1))
