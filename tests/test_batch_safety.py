@@ -606,10 +606,11 @@ def _job_input(tmp_path: Path, table: pa.Table) -> Path:
     return src
 
 
-@pytest.mark.parametrize("case", ["duplicate columns", "GPUs on a machine without"])
+@pytest.mark.parametrize("case", ["duplicate columns", "GPUs on a machine without", "an output that is a file"])
 def test_job_level_mistakes_are_one_line_before_ray_starts(ckpt, tmp_path, capsys, monkeypatch, case):
     """Refused in one line with exit 2, before Ray starts and before anything is written, the run and its dry run
-    alike: duplicate column names (Ray's table would fail on them mid-job), GPUs per actor on a machine with none."""
+    alike: duplicate column names (Ray's table would fail on them mid-job), GPUs per actor on a machine with none, an
+    output path that is an existing file (a drafter made for another checkpoint: test_drafter_refusals.py)."""
     import ray
 
     from mmspec_ray.batch.cli import main as job_main
@@ -623,18 +624,23 @@ def test_job_level_mistakes_are_one_line_before_ray_starts(ckpt, tmp_path, capsy
         named = "duplicate column name(s) ['prompt']"
     else:
         table = pa.table({"id": ["a"], "prompt": ["p"], "image_uri": ["x.png"]})
+    if case == "GPUs on a machine without":
         args, named = ["--gpus-per-actor", "1"], "--gpus-per-actor 1 but this machine has no GPU"
         import torch
 
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    out = tmp_path / "out"
+    if case == "an output that is a file":
+        out.write_text("the user's notes")
+        named = "is a file"
     src = _job_input(tmp_path, table)
     for dry in (["--dry-run"], []):
-        out = tmp_path / "out"
         rc = job_main(["--input", str(src), "--output", str(out), "--target", ckpt, "--drafter", "ngram", *args,
                        *dry], "instruct")
         err = capsys.readouterr().err.strip()
         assert rc == 2 and len(err.splitlines()) == 1 and named in err, err
-        assert not out.exists() and not ray.is_initialized()
+        assert (out.read_text() == "the user's notes" if out.is_file() else not out.exists())
+        assert not ray.is_initialized()
 
 
 # ---------------- what an input is: its files, whatever their names, and whatever the URI's spelling ----------------
