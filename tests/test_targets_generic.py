@@ -14,12 +14,12 @@ from transformers import VipLlavaConfig, VipLlavaForConditionalGeneration
 from mmspec_ray.decoding.engine import AREngine, SpecEngine
 from mmspec_ray.decoding.tree import TreeConfig
 from mmspec_ray.drafters.eagle import Eagle2Drafter
-from mmspec_ray.targets import TargetError, load_target, wrap
+from mmspec_ray.targets import Request, TargetError, load_target, wrap
 from mmspec_ray.targets import generic
 from mmspec_ray.targets.generic import GenericTarget, SelfCheckFailed, wrap_generic
 from mmspec_ray.targets.registry import check_loadable
 from families import FAMILIES
-from tiny import mute_eos, seeded_model, tiny_llava
+from tiny import mute_eos, random_images, seeded_model, tiny_llava
 
 TREE = TreeConfig(top_k=4, depth=4, total_tokens=20)
 CHECKS = ("AR decoding (one token per forward)",
@@ -163,6 +163,52 @@ def test_a_model_type_without_an_adapter_loads_generic_after_its_self_check(tmp_
     passed(target)
     assert target.checkpoint == str(path)
     check_lossless(target, {k: FAMILIES["llava"].requests[k] for k in ("text", "image", "two_images")})
+
+
+def tiny_paligemma(seed: int = 0):
+    """PaliGemma (no adapter here): a 1-layer SigLIP tower at 32 px (4 patches), a 2-layer Gemma; its processor
+    returns `labels` with every encoding."""
+    from transformers import (PaliGemmaConfig, PaliGemmaForConditionalGeneration, PaliGemmaProcessor,
+                              SiglipImageProcessor)
+    from tiny import tiny_fast_tokenizer
+
+    tok = tiny_fast_tokenizer(["<image>", "<bos>", "<eos>", "<pad>"], bos_token="<bos>", eos_token="<eos>",
+                              pad_token="<pad>")
+    images = SiglipImageProcessor(size={"height": 32, "width": 32})
+    images.image_seq_length = 4
+    template = ("{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>{% else %}"
+                "{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}")
+    processor = PaliGemmaProcessor(image_processor=images, tokenizer=tok, chat_template=template)
+    config = PaliGemmaConfig(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=32, patch_size=16, projection_dim=64),
+        text_config=dict(model_type="gemma", vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+        image_token_index=tok.convert_tokens_to_ids("<image>"), projection_dim=64)
+    model = seeded_model(PaliGemmaForConditionalGeneration, config, seed)
+    mute_eos(model, tok.eos_token_id)
+    return model.eval(), processor
+
+
+def test_a_processors_labels_never_reach_the_forward(tmp_path):
+    """PaliGemma's processor returns `labels`; passed to the forward they made it compute a loss over logits cut to
+    the last positions, and the self-check refused the model for a batch-size error that was not its own. Dropped,
+    the model is judged on what it decodes: here it passes, and decodes as HF generate does."""
+    model, processor = tiny_paligemma()
+    path = save(model, processor, tmp_path / "paligemma")
+    target = load_target(path)
+    assert type(target) is GenericTarget and target.self_check is not None
+    req = Request(prompt="describe the image", images=tuple(random_images(1, seed=3, size=32)))
+    assert "labels" not in target.encode(req)
+    other = Request(prompt="red blue circle", images=tuple(random_images(1, seed=4, size=32)))
+    for name, request in {"image": req, "other image": other}.items():  # (PaliGemma's processor wants an image)
+        ar = AREngine(target).generate(request, max_new_tokens=16).token_ids
+        inputs = target.encode(request)
+        with torch.inference_mode():
+            hf = target.model.generate(**inputs, do_sample=False, max_new_tokens=16)
+        assert ar == hf[0, inputs["input_ids"].shape[1]:].tolist(), name
+        spec = SpecEngine(target, Eagle2Drafter.random(target, seed=1), TREE).generate(request, max_new_tokens=16)
+        assert spec.token_ids == ar, name
 
 
 def test_named_families_skip_the_self_check_and_generic_true_forces_it(tmp_path, monkeypatch):

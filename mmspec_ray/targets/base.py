@@ -56,6 +56,11 @@ def pieces_of(segments: torch.Tensor) -> list[tuple[int, int]]:
     return [tuple(v) for _, v in sorted(out.items())]
 
 
+# what some processors return that the model's forward must not take: `labels` (PaliGemma's processor returns it)
+# would make the forward compute a training loss over logits it was asked to cut to the last positions
+NOT_FORWARD_INPUTS = frozenset({"labels"})
+
+
 def prefill_pieces(prefill: "TargetOutput", target: "VLMTarget") -> list[tuple[int, int]]:
     """The prompt's media pieces (one per image / frame / temporal group) as the drafters read them: the prefill's
     own `media_segments`, or, for a TargetOutput built by hand without them, the target's cut of the ids; [] for a
@@ -266,7 +271,8 @@ class VLMTarget:
             raise TargetError(f"the {self.family} processor rejected the request ({e}); the request's media parts "
                               "and its images and clips must pair up (one image part per image; see docs/models.md "
                               "for how this family takes clips)") from e
-        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()
+                if k not in NOT_FORWARD_INPUTS}
 
     def check_length(self, n_prompt: int, max_new_tokens: int) -> None:
         if n_prompt + max_new_tokens > self.max_context:
