@@ -68,7 +68,8 @@ def build_parser(job: str) -> argparse.ArgumentParser:
       "the summary (default 16, every 4th settled row; 0: off)")
     a("--device")
     a("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    a("--s3-endpoint", help="S3-compatible endpoint, e.g. http://127.0.0.1:9000 (default: AWS_ENDPOINT_URL)")
+    a("--s3-endpoint", help="S3-compatible endpoint, e.g. http://127.0.0.1:9000 (default: AWS_ENDPOINT_URL_S3, else "
+      "AWS_ENDPOINT_URL)")
     a("--s3-region")
     a("--overwrite", action="store_true", default=None, help="start over: delete this job's earlier output "
       "(only files it wrote) instead of resuming")
