@@ -272,10 +272,10 @@ def _actor_config(cfg: DecodeConfig, actor_cpus: float) -> DecodeConfig:
 def _build(spec: JobSpec, cfg: DecodeConfig, table: pa.Table | None, source: Location | None, todo: pa.Array,
            full: bool, decoder_cls: type, tracker: Any, row_fn: Callable[..., Any],
            actor_cpus: float) -> ray.data.Dataset:
+    """The job's dataset: its input (the rows still to do) through `decode_stages`."""
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = spec.progress_bars
     ctx.max_errored_blocks = 0  # rows never raise; a raising block is a real failure, never a silent drop
-    cfg = _actor_config(cfg, actor_cpus)
     task = {"num_cpus": spec.cpus_per_task}
     if table is not None:
         ds = ray.data.from_arrow(table if full else keep_ids(table, todo))
@@ -286,6 +286,16 @@ def _build(spec: JobSpec, cfg: DecodeConfig, table: pa.Table | None, source: Loc
         ds = ray.data.read_parquet(paths, filesystem=source.fs, file_extensions=file_suffixes(files), **task)
         if not full:
             ds = ds.map_batches(keep_ids, fn_kwargs={"ids": todo}, batch_format="pyarrow", batch_size=None, **task)
+    return decode_stages(ds, spec, cfg, decoder_cls, tracker, row_fn, actor_cpus)
+
+
+def decode_stages(ds: ray.data.Dataset, spec: JobSpec, cfg: DecodeConfig, decoder_cls: type, tracker: Any,
+                  row_fn: Callable[..., Any], actor_cpus: float) -> ray.data.Dataset:
+    """Input rows -> blocks of `rows_per_block` -> media tasks (`prepare_block`) -> the decoder actor pool: the one
+    decoding path of the job and of `build_processor`, so both give every row the same answer or the same error.
+    `spec` gives the pool's resources (its input and output are not read here)."""
+    cfg = _actor_config(cfg, actor_cpus)
+    task = {"num_cpus": spec.cpus_per_task}
     ds = ds.repartition(target_num_rows_per_block=spec.rows_per_block)
     ds = ds.map_batches(prepare_block, fn_kwargs={"cfg": cfg, "tracker": tracker, "row_fn": row_fn,
                                                   "max_row_crashes": spec.max_row_crashes},
