@@ -176,21 +176,23 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
     if a.dry_run:
         raise UsageError("--dry-run plans a run on request rows: give --data (`mmspec toy requests` writes a toy "
                          "world's)")
-    if a.method == "auto":
-        raise UsageError("--method auto picks a method from the data: give --data (a parquet of request rows; "
-                         "`mmspec toy requests` writes a toy world's)")
     if a.target in TOY_SIZES:
         from mmspec_ray.toy.drafter import build_toy_drafter, recipe_for, train_drafter_on_world
         from mmspec_ray.toy.build import build_toy
 
+        if a.out is None and (a.examples or a.epochs or a.text_examples or a.text_epochs is not None or a.direct
+                              or a.multistep_epochs is not None or a.long_answers is not None
+                              or a.answer_temperature is not None or a.method_option):
+            raise UsageError("--examples, --epochs, --text-examples, --text-epochs, --multistep-epochs, "
+                             "--direct, --long-answers / --plain-answers, --answer-temperature and "
+                             "--method-option change the recipe: give --out too (the cached toy drafter keeps "
+                             "the default recipe)")
+        if a.method == "auto":  # the same rule, on the world's own prompts and text-only corpus
+            from mmspec_ray.training.cli import toy_auto_method
+
+            a.method, why = toy_auto_method(a.target, a.examples, a.text_examples, bool(a.answer_temperature))
+            print(f"method   {a.method}: {why}", flush=True)
         if a.out is None:
-            if (a.examples or a.epochs or a.text_examples or a.text_epochs is not None or a.direct
-                    or a.multistep_epochs is not None or a.long_answers is not None
-                    or a.answer_temperature is not None or a.method_option):
-                raise UsageError("--examples, --epochs, --text-examples, --text-epochs, --multistep-epochs, "
-                                 "--direct, --long-answers / --plain-answers, --answer-temperature and "
-                                 "--method-option change the recipe: give --out too (the cached toy drafter keeps "
-                                 "the default recipe)")
             print(build_toy_drafter(a.target, a.method, force=a.force))
             return 0
         recipe = recipe_for(a.target, a.method)
@@ -420,9 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(fn=cmd_generate)
 
     td = sub.add_parser("train-drafter", help="generate target-answered features and train a drafter")
-    td.add_argument("--method", default="eagle2", choices=["auto", *TRAINED_METHODS],
-                    help="auto (with --data): chosen from the data's video / image / text-only rows and "
-                    "--answer-temperature by the project's measurements; the plan says why")
+    from mmspec_ray.training.cli import AUTO_HELP, add_data_args
+
+    td.add_argument("--method", default="auto", choices=["auto", *TRAINED_METHODS], help=AUTO_HELP)
     td.add_argument("--target", default="toy-s",
                     help="toy-s / toy-m, or (with --data) a checkpoint directory or s3:// prefix")
     td.add_argument("--out", default=None, help="checkpoint directory (default: the toy world's drafters/METHOD)")
@@ -443,8 +445,6 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--plain-answers", dest="long_answers", action="store_const", const=False,
                     help="toy target: train on the prompts as they are (the default except for vispec)")
     td.add_argument("--force", action="store_true", help="start over instead of resuming")
-    from mmspec_ray.training.cli import add_data_args
-
     add_data_args(td)
     td.set_defaults(fn=cmd_train_drafter)
 

@@ -127,8 +127,35 @@ def choose_for(target_id: str, folders: list[str], s3: S3Config | None = None) \
     return best, len(seen), skipped
 
 
-def train_command(target: str, data: str | None, method: str = "eagle2") -> str:
-    """The one command that trains a drafter `--drafter auto` will find for `target` (on `data`, the job's input)."""
+def train_command(target: str, data: str | None, max_new_tokens: int | None = None) -> str:
+    """The one command that trains a drafter `--drafter auto` will find for `target`, runnable as printed: on `data`
+    (the job's input), answered up to the job's `max_new_tokens`, its method chosen by `--method auto`'s rule."""
     name = Path(target.rstrip("/")).name or "target"
-    return (f"mmspec train-drafter --method {method} --target {target} --data {data or 'REQUESTS.parquet'} "
-            f"--out {home_drafters()}/{name}-{method}")
+    tokens = f" --max-new-tokens {max_new_tokens}" if max_new_tokens else ""
+    return (f"{cli_program()} train-drafter --method auto --target {target} --data {data or 'REQUESTS.parquet'}"
+            f"{tokens} --out {home_drafters()}/{name}-auto")
+
+
+def cli_program() -> str:
+    """How to run the `mmspec` command here: `mmspec` where it is on PATH, else the entry point installed beside
+    this Python (`.venv/bin/mmspec` in a checkout after scripts/bootstrap.sh, as the README runs it; relative to the
+    current directory when under it), else `python -m mmspec_ray.cli` with this interpreter."""
+    import os
+    import shutil
+    import sys
+
+    if shutil.which("mmspec"):
+        return "mmspec"
+    beside = Path(sys.executable).parent / "mmspec"
+    if os.access(beside, os.X_OK):
+        return _short(beside)
+    return f"{_short(Path(sys.executable))} -m mmspec_ray.cli"
+
+
+def _short(path: Path) -> str:
+    """`path` relative to the current directory when it lies under it (as the README writes `.venv/bin/mmspec`),
+    else as it is."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)

@@ -1,16 +1,20 @@
-"""`--method auto`: which drafter method to train for a data set, from what the rows hold (video, images, text
-only) and whether answers are sampled, by the project's own measurements (toy-m on a 2-core CPU,
-docs/benchmarks.md): HiViS fastest at temperature 0 on images and long answers (1.76x pooled, 2.20x long), MSD on
-video captions (1.13x, where HiViS gave 0.94x), ViSpec at temperature 1 (1.57x), EAGLE-2 for text-only data. Every
-method trains on both trainers (single-process and Ray Train)."""
+"""`--method auto`: the one rule for which drafter method to train (`choose_method`), from the target's depth, what
+the request rows hold (video, images, text only) and whether answers are sampled, by the project's own measurements
+(toy worlds on a 2-core CPU, docs/benchmarks.md and docs/drafters.md; docs/training.md, "Which method", states it).
+The rule never picks a method the data cannot train: HiViS and MSD need text-only rows, every network method needs
+rows with media."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pyarrow.parquet as pq
 
 from mmspec_ray.config import S3Config
+
+if TYPE_CHECKING:
+    from mmspec_ray.targets.layout import CheckpointLayout
 
 VIDEO = ("video", "video_uri")
 IMAGE = ("image", "image_uri")
@@ -77,17 +81,52 @@ def _union(masks: list, n: int):
     return max(int(m.sum()) if isinstance(m, np.ndarray) else m for m in masks)
 
 
-def choose_method(mix: DataMix, sampled: bool) -> tuple[str, str]:
-    """(method, why) for data of this mix; `sampled`: the answers will be sampled (temperature > 0)."""
+def decoder_layers(layout: "CheckpointLayout") -> int | None:
+    """The language model's decoder layers, from the checkpoint's config (None where it does not say): how much a
+    drafter step costs against a target forward."""
+    full = layout.full_config()
+    layers = (full.get("text_config") or full).get("num_hidden_layers")
+    return int(layers) if isinstance(layers, int) and layers > 0 else None
+
+
+# At most this many decoder layers: a drafter step (one decoder layer of the target's width) costs about 1 / layers
+# of a target forward, too much for a network drafter to repay. Measured at 4 layers (toy-s: a trained EAGLE-2 at AR
+# speed, suffix 1.74x) and 24 (toy-m: trained drafters ahead); the line between is this rule's.
+SHALLOW_LAYERS = 8
+# At least this share of text-only rows for the methods that train on them (HiViS mixes them into every epoch, MSD's
+# first stage is text only). Measured with none (HiViS below EAGLE-2) and with half the rows (HiViS ahead); the line
+# between is this rule's.
+MIN_TEXT_SHARE = 0.2
+
+
+def choose_method(mix: DataMix, sampled: bool, layers: int | None = None) -> tuple[str, str]:
+    """(method, why) for data of this mix; `sampled`: answers sampled (temperature > 0); `layers`: the target's
+    decoder layers (None: unknown). First match wins: a shallow target or no rows with media -> suffix; too few
+    text-only rows -> eagle2 (greedy) or suffix (sampled); mostly video -> msd; otherwise hivis."""
     share = (lambda k: k / mix.rows if mix.rows else 0.0)
     facts = f"{mix.rows} rows: {share(mix.video):.0%} video, {share(mix.image):.0%} image, {share(mix.text):.0%} text"
-    if share(mix.text) >= 0.5:
-        method, why = "eagle2", "mostly text-only rows: the media-aware drafters have little to use"
-    elif share(mix.video) >= 0.5:
-        method, why = "msd", "mostly video: MSD measured fastest on video captions (1.13x, HiViS 0.94x; toy-m)"
-    elif sampled:
-        method, why = "vispec", "sampled answers: ViSpec measured fastest at temperature 1 (1.57x; toy-m)"
-    else:
-        method, why = "hivis", "images at temperature 0: HiViS measured fastest (1.76x pooled, 2.20x on long answers; " \
-                               "toy-m)"
+    method, why = _rule(mix, sampled, layers, share(mix.video), share(mix.text))
     return method, f"{facts}; {why}"
+
+
+def _rule(mix: DataMix, sampled: bool, layers: int | None, video: float, text: float) -> tuple[str, str]:
+    """`choose_method`'s rule on the shares, as (method, the measured reason)."""
+    if layers is not None and layers <= SHALLOW_LAYERS:
+        return "suffix", (f"a {layers}-layer target: a drafter layer costs about 1/{layers} of a target forward, too "
+                          "much to repay (toy-s, 4 layers: EAGLE-2 at AR speed, suffix 1.74x); suffix drafts "
+                          "without a model and trains nothing")
+    if not mix.video + mix.image:
+        return "suffix", ("no rows with media: the network methods train on image and video rows (eagle2 leaves "
+                          "text-only rows out); suffix builds its corpus from every answer and trains nothing")
+    if text < MIN_TEXT_SHARE:
+        if sampled:
+            return "suffix", ("too few text-only rows for hivis or msd, and sampled answers: suffix measured ahead of "
+                              "eagle2 at T = 1 (1.78x vs 1.42x pooled; toy-m, 800 prompts) and trains nothing")
+        return "eagle2", ("too few text-only rows for hivis or msd (HiViS without them measured below EAGLE-2: "
+                          "held-out τ 2.80 vs 3.02; toy-m): eagle2 measured fastest of the rest at T = 0 (2.29x "
+                          "pooled, suffix 1.95x; toy-m, 800 prompts)")
+    if video >= 0.5:
+        return "msd", ("mostly video, with text-only rows for its first stage: MSD measured fastest on short video "
+                       "captions at T = 0 (1.39x, eagle2 1.12x; toy-m, 800 prompts)")
+    return "hivis", ("images or video with text-only rows to mix in: HiViS measured the fastest trained drafter at "
+                     "T = 0 and 1 (2.46x / 2.27x pooled; toy-m, 800 prompts)")
