@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+AUTO_HELP = ("auto (the default): chosen by one rule from the target's depth, the data's video / image / text-only "
+             "rows and --answer-temperature, by the project's measurements (docs/training.md, \"Which method\"); "
+             "the plan says why")
 TRAIN_FLAGS = ("epochs", "batch_size", "lr", "text_epochs", "multistep_epochs", "seed", "bucket_batches")
 
 
@@ -71,7 +74,7 @@ def job_from_args(a: argparse.Namespace, target: str) -> "TrainJob":
                          "and a re-run resumes (give a new --work and --out to start over)")
     why = "given"
     if a.method == "auto":
-        a.method, why = auto_method(a)
+        a.method, why = auto_method(a, target)
     train = {"epochs": 8, "batch_size": 16, "lr": 2e-3}
     train.update({k: getattr(a, k) for k in TRAIN_FLAGS if getattr(a, k, None) is not None})
     if getattr(a, "direct", False):
@@ -103,23 +106,59 @@ def method_options(pairs: list[str]) -> dict:
     return out
 
 
-def auto_method(a: argparse.Namespace) -> tuple[str, str]:
-    """`--method auto`: (method, why) for the data in --data (its video / image / text-only rows) and the answer
-    temperature (`training.choose`); the plan prints why."""
+def auto_method(a: argparse.Namespace, target: str) -> tuple[str, str]:
+    """`--method auto`: (method, why) by `training.choose.choose_method` from the rows in --data (video / image /
+    text only), the answer temperature and the target's depth; the plan prints why."""
     from mmspec_ray.training.choose import choose_method, data_mix
 
-    method, why = choose_method(data_mix(a.data), sampled=bool(a.answer_temperature))
+    method, why = choose_method(data_mix(a.data), sampled=bool(a.answer_temperature), layers=target_layers(target))
+    return method, f"auto: {why}"
+
+
+def target_layers(target: str) -> int | None:
+    """The checkpoint's decoder layers from its config, or None where it cannot be read (the run then refuses the
+    checkpoint in one line, before any work)."""
+    from mmspec_ray.targets.layout import read_layout
+    from mmspec_ray.targets.request import TargetError
+    from mmspec_ray.training.choose import decoder_layers
+
+    try:
+        return decoder_layers(read_layout(target))
+    except (TargetError, OSError, ValueError):
+        return None
+
+
+def toy_auto_method(size: str, examples: int | None, text_examples: int | None, sampled: bool) -> tuple[str, str]:
+    """`--method auto` for a toy world trained on its own data (no --data): the same rule, on the mix of the
+    world's multimodal training prompts and its text-only corpus, and its target's depth."""
+    from mmspec_ray.toy.build import build_toy
+    from mmspec_ray.toy.drafter import RECIPES
+    from mmspec_ray.toy.model import TOY_SIZES
+    from mmspec_ray.toy.prompts import toy_rows
+    from mmspec_ray.training.choose import DataMix, choose_method
+
+    n = examples or RECIPES[size].examples
+    rows = toy_rows(build_toy(size), "train", n, seed=1)
+    video = sum(r["media_type"] != "image" for r in rows)
+    text = text_examples or n
+    mix = DataMix(len(rows) + text, video, len(rows) - video, text)
+    method, why = choose_method(mix, sampled, layers=TOY_SIZES[size].text_layers)
     return method, f"auto: {why}"
 
 
 def run(a: argparse.Namespace, target: str) -> int:
-    """Run the job the flags describe and print its summary (held-out τ, examples, where the drafter went)."""
+    """Run the job the flags describe and print one line per kind of row error (with an example, and where every
+    row's reason is), then its summary (held-out τ, examples, where the drafter went) as JSON."""
+    from mmspec_ray.training.answers import row_error_lines
     from mmspec_ray.training.pipeline import run_train_job
 
     summary = run_train_job(job_from_args(a, target), dry_run=a.dry_run)
     if summary.get("dry_run"):
         return 0
-    print(json.dumps({k: v for k, v in summary.items() if k not in ("history", "plan")}, indent=2))
+    for line in row_error_lines(summary.get("row_errors_by_kind") or {}, summary.get("answers", "")):
+        print(line)
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("history", "plan", "row_errors_by_kind")},
+                     indent=2))
     return 0
 
 
@@ -128,9 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     from mmspec_ray.training.methods import METHODS
 
     p = argparse.ArgumentParser(prog="train_drafter", description=__doc__)
-    p.add_argument("--method", default="eagle2", choices=["auto", *sorted(METHODS)],
-                   help="auto: chosen from the data (video / image / text-only rows) and --answer-temperature by "
-                   "the project's measurements; the plan says why")
+    p.add_argument("--method", default="auto", choices=["auto", *sorted(METHODS)],
+                   help=AUTO_HELP)
     p.add_argument("--target", required=True, help="checkpoint directory or s3:// prefix (or toy-s / toy-m)")
     p.add_argument("--out", required=True, help="drafter checkpoint directory or s3:// prefix")
     p.add_argument("--epochs", type=int, default=None)

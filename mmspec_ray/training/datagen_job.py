@@ -51,6 +51,8 @@ class DatagenJob(BaseModel):
     cpus_per_actor: float = Field(1.0, gt=0.0)
     cpus_per_task: float = Field(0.5, gt=0.0)
     rows_per_shard: int = Field(32, ge=1, description="rows per actor call = per shard (the unit of resume)")
+    answers_key: str | None = Field(None, description="the key of shared answers (training.answers): a resume with "
+                                    "the same key is the same job, wherever the target and the data lie now")
 
 
 def shard_name(ids: list[str]) -> str:
@@ -184,7 +186,8 @@ def run_datagen(job: DatagenJob, progress_every_s: float = 30.0) -> dict[str, An
                 last = time.time()
     manifest = store.write_manifest({"input": job.input, "target": job.decode.target,
                                      "recipe": job.recipe.model_dump(), "writer": "ray-data",
-                                     "held_out": list(job.exclude_ids), "rows_per_shard": job.rows_per_shard})
+                                     "held_out": list(job.exclude_ids), "rows_per_shard": job.rows_per_shard,
+                                     **({"answers_key": job.answers_key} if job.answers_key else {})})
     log.info("datagen done: %d examples from %d rows in %d shards, %d row errors, %.0f s", manifest["examples"],
              manifest["rows"], len(manifest["shards"]), len(manifest["errors"]), time.time() - t0)
     return manifest
@@ -192,10 +195,13 @@ def run_datagen(job: DatagenJob, progress_every_s: float = 30.0) -> dict[str, An
 
 def check_resume(store: ShardStore, job: DatagenJob) -> None:
     """A resume must be the same job: another target, data set, answer recipe or held-out split would mix features
-    of two jobs (ids collide across data sets, and rows trained on could land in the held-out set)."""
+    of two jobs (ids collide across data sets, and rows trained on could land in the held-out set). Shared answers
+    with the same key are the same job by construction."""
     if not store.exists("manifest.json"):
         return
     old = store.manifest()
+    if job.answers_key and old.get("answers_key") == job.answers_key:
+        return  # the key covers the target's identity and the data's content, not where they lie
     now = {"target": job.decode.target, "input": job.input, "recipe": job.recipe.model_dump(),
            "held_out": sorted(job.exclude_ids)}
     was = {"target": old.get("target"), "input": old.get("input"), "recipe": old.get("recipe"),

@@ -148,7 +148,8 @@ def check_plan(manifest: dict[str, Any], cfg: TrainConfig, world: int) -> None:
     n = len(manifest["shards"])
     if n < world:
         raise ValueError(f"{n} feature shard(s) for {world} workers: every worker needs its own shards; regenerate "
-                         "the features with fewer rows per shard (--rows-per-shard) or use fewer workers")
+                         "the features with fewer rows per shard (a new --work: answers already stored are reused as "
+                         "they were cut) or use fewer workers")
     if cfg.batch_size % world:
         raise ValueError(f"batch size {cfg.batch_size} does not split over {world} workers; use a multiple of it")
 

@@ -72,10 +72,17 @@ class TrainJob(BaseModel):
     cpus_per_worker: float = Field(1.0, gt=0)
     max_failures: int = Field(3, ge=0)
     tree: TreeConfig = TreeConfig()
+    features: str | None = Field(None, description="where the target's answers (feature shards) are stored; None: "
+                                 "resolved by the run (training.answers: shared across methods, or <work>/features)")
 
     @property
     def work_dir(self) -> str:
         return self.work or self.out.rstrip("/") + ".work"
+
+    @property
+    def features_dir(self) -> str:
+        """The feature shards' folder: the resolved one, else `<work>/features`."""
+        return self.features or self.work_dir.rstrip("/") + "/features"
 
     def decode_config(self) -> DecodeConfig:
         return DecodeConfig.model_validate({"drafter": "none", **self.decode, "target": self.target,
@@ -143,6 +150,7 @@ def run_train_job(job: TrainJob, dry_run: bool = False) -> dict[str, Any]:
     """Run (or resume) the whole job; returns a summary (also the drafter's history.json). The plan is printed
     first; `dry_run`: print it and return {"plan": ..., "dry_run": True}, no model loaded, nothing written."""
     from mmspec_ray.batch.cluster import connect_ray
+    from mmspec_ray.training.answers import answered_rows, features_uri, row_error_kinds, row_error_lines
     from mmspec_ray.training.choose import data_mix
     from mmspec_ray.training.plan import format_train_plan
 
@@ -160,17 +168,22 @@ def run_train_job(job: TrainJob, dry_run: bool = False) -> dict[str, Any]:
         layout = check_loadable(job.target, cfg.s3)
     except TargetError as e:
         raise ValueError(f"target: {e}") from e
-    plan = train_plan(job, layout, rows, data_mix(job.data, cfg.s3))
+    features, key = features_uri(job, cfg, held, layout)
+    job = job.model_copy(update={"features": features})
+    plan = train_plan(job, layout, rows, data_mix(job.data, cfg.s3), answered_rows(features, cfg))
     print(format_train_plan(plan), flush=True)
     if dry_run:
         return {"plan": plan, "dry_run": True}
     connect_ray(dashboard=bool(job.num_workers))  # Ray Train's controller polls the state API (the dashboard's)
     check_shared_work(job)
-    features = job.work_dir.rstrip("/") + "/features"
     check_existing_features(features, job, cfg)
     manifest = run_datagen(DatagenJob(input=job.data, output=features, decode=cfg, recipe=job.recipe,
                                       exclude_ids=tuple(held), limit=job.limit, num_actors=job.datagen_actors,
-                                      gpus_per_actor=job.gpus_per_actor, rows_per_shard=job.rows_per_shard))
+                                      gpus_per_actor=job.gpus_per_actor, rows_per_shard=job.rows_per_shard,
+                                      answers_key=key))
+    kinds = row_error_kinds(manifest["errors"])
+    for line in row_error_lines(kinds, features):
+        log.warning("%s", line)
     if not manifest["examples"]:
         raise ValueError(f"data generation gave no training examples ({len(manifest['errors'])} row errors, e.g. "
                          f"{next(iter(manifest['errors'].items()), None)}); see {features}/manifest.json")
@@ -192,15 +205,18 @@ def run_train_job(job: TrainJob, dry_run: bool = False) -> dict[str, Any]:
     tau, n_held = on_target_node(job, measure_heldout, job, held)
     summary = {"method": m.name, "target": job.target, "data": job.data, "out": job.out,
                "examples": manifest["examples"], "row_errors": len(manifest["errors"]),
-               "heldout_rows": n_held, "heldout_tau": tau, "trainer": "ray-train" if job.num_workers else
-               "single-process", "workers": job.num_workers, "plan": plan, "history": history}
+               "row_errors_by_kind": kinds, "answers": features,
+               "heldout_rows": n_held, "heldout_tau": tau, "trainer": plan["trainer"]["kind"],
+               "workers": job.num_workers, "plan": plan, "history": history}
     ShardStore(job.out, cfg.s3).write("history.json", json.dumps(summary, indent=2).encode())
     log.info("drafter %s for %s written to %s: held-out τ %.3f on %d rows", m.name, job.target, job.out, tau, n_held)
     return summary
 
 
-def train_plan(job: TrainJob, layout: "CheckpointLayout", rows: int, mix: "DataMix") -> dict[str, Any]:
-    """The plan as a dict (also the summary's `plan`); `rows`: input rows after --limit; `mix`: their kinds."""
+def train_plan(job: TrainJob, layout: "CheckpointLayout", rows: int, mix: "DataMix", answered: int = 0) \
+        -> dict[str, Any]:
+    """The plan as a dict (also the summary's `plan`); `rows`: input rows after --limit; `mix`: their kinds;
+    `answered`: training rows whose answers are already stored (reused, not answered again)."""
     m = training_method(job.method, job.method_options)
     stages = stage_schedule(m, job.train)
     dtype = job.decode.get("dtype", "auto")
@@ -214,8 +230,10 @@ def train_plan(job: TrainJob, layout: "CheckpointLayout", rows: int, mix: "DataM
         "method": m.name, "method_why": job.method_why,
         "datagen": {"actors": job.datagen_actors, "gpus_per_actor": job.gpus_per_actor, "dtype": dtype,
                     "answers": "greedy" if temp == 0 else f"sampled at T = {temp:g}",
-                    "max_new_tokens": job.recipe.max_new_tokens},
-        "trainer": {"kind": "ray-train" if job.num_workers else "single-process", "workers": job.num_workers,
+                    "max_new_tokens": job.recipe.max_new_tokens, "stored": job.features_dir,
+                    "reused_rows": answered},
+        "trainer": {"kind": "corpus" if m.corpus_only else "ray-train" if job.num_workers else "single-process",
+                    "workers": job.num_workers,
                     "gpu": job.use_gpu, "cpus_per_worker": job.cpus_per_worker, "epochs": job.train.epochs,
                     "text_epochs": stages.text_epochs, "batch_size": job.train.batch_size},
         "work": job.work_dir, "out": job.out,
@@ -287,13 +305,13 @@ def prepare_head_init(job: TrainJob) -> HeadInit:
     s3 = job.decode_config().s3
     examples = None
     if m.head_needs_examples(target):  # e.g. EAGLE-3's draft vocabulary from the answers' token counts: the ids
-        store = ShardStore(job.work_dir.rstrip("/") + "/features", s3)  # only, a shard at a time
+        store = ShardStore(job.features_dir, s3)  # only, a shard at a time
         examples = [ids_only(ex) for name in store.manifest()["shards"] for ex in store.load_shard(name)]
     init = write_head_init(m, target, job.work_dir.rstrip("/") + "/init", s3, examples).model_copy(
         update={"method_options": job.method_options})
     if not m.selects:
         return init
-    features = ShardStore(job.work_dir.rstrip("/") + "/features", s3)
+    features = ShardStore(job.features_dir, s3)
     manifest = features.manifest()
     selection = {n: m.shard_selection(target, features.load_shard(n)) for n in manifest["shards"]}
     if not sum(v["multimodal"] for v in selection.values()):

@@ -35,17 +35,27 @@ __all__ = ["TrainConfig", "train_drafter", "heldout_tau", "stage_schedule", "mak
            "check_resume_config"]
 
 
+PROGRESS_EVERY_S = 5.0  # at most one held-out progress line per this many seconds
+
+
 @torch.inference_mode()
 def heldout_tau(target: VLMTarget, drafter, requests: list[Request], tree: TreeConfig, max_new_tokens: int) -> float:
-    """Mean accepted draft tokens per cycle over real greedy speculative decoding of held-out prompts."""
+    """Mean accepted draft tokens per cycle over real greedy speculative decoding of held-out prompts; logs its
+    progress (rows done, elapsed) at most every `PROGRESS_EVERY_S`, since on a large target this takes minutes."""
     if not requests:
         return float("nan")
     eng = SpecEngine(target, drafter, tree)
     acc = cyc = 0
-    for r in requests:
+    t0 = last = time.monotonic()
+    log.info("held-out τ: decoding %d rows with the drafter (up to %d new tokens each)", len(requests),
+             max_new_tokens)
+    for done, r in enumerate(requests, 1):
         st = eng.generate(r, max_new_tokens=max_new_tokens).stats
         acc += sum(st.accepted_per_cycle)
         cyc += st.cycles
+        if time.monotonic() - last >= PROGRESS_EVERY_S or done == len(requests):
+            last = time.monotonic()
+            log.info("held-out τ: %d/%d rows, %.0f s", done, len(requests), last - t0)
     return acc / max(1, cyc)
 
 
