@@ -166,8 +166,10 @@ def test_the_plan_and_dry_run_load_no_model_and_write_nothing(ckpt, tmp_path, ca
     assert "method   suffix: auto: 10 rows: 30% video, 60% image, 10% text; a 2-layer target" in plan
     assert "trainer  none: suffix trains no network; it builds its corpus from the target's answers to the 8 " \
         "training rows in one pass" in plan and "8 epochs" not in plan and "batch 16" not in plan
+    assert main(base + ["--work", str(tmp_path / "w")]) == 0  # --work keeps the answers in it, as before
+    assert f"stored   {tmp_path / 'w' / 'features'} (new)\n" in capsys.readouterr().out
     assert not out.exists() and not (tmp_path / "drafters" / "mine.work").exists()
-    assert not (tmp_path / "home").exists()
+    assert not (tmp_path / "home").exists() and not (tmp_path / "w").exists()
     assert main(["train-drafter", "--target", "toy-s", "--dry-run"]) == 2
     assert "--dry-run plans a run on request rows: give --data" in capsys.readouterr().err
 

@@ -76,10 +76,12 @@ def answered_rows(uri: str, cfg: DecodeConfig) -> int:
     return len(done_ids(ShardStore(uri, cfg.s3)))
 
 
-def reuse_text(uri: str, done: int, todo: int) -> str:
-    """Where the answers are stored and whether this run reuses some, and how many rows are left to answer."""
+def reuse_text(uri: str, done: int, todo: int, shared: bool = True) -> str:
+    """Where the answers are stored (`shared`: the key's folder, else --work's) and whether this run reuses some,
+    and how many rows are left to answer."""
     if not done:
-        return f"{uri} (new: shared with every method on the same target, data and answer settings)"
+        return f"{uri} (new: shared with every method on the same target, data and answer settings)" if shared \
+            else f"{uri} (new)"
     left = f"{todo} left to answer" if todo else "none left to answer"
     return (f"{uri}: reusing the target's answers to {done} rows done there (a row that failed for a reason of its "
             f"own counts as done; same target, data and answer settings); {left}")

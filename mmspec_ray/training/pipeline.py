@@ -170,7 +170,7 @@ def run_train_job(job: TrainJob, dry_run: bool = False) -> dict[str, Any]:
         raise ValueError(f"target: {e}") from e
     features, key = features_uri(job, cfg, held, layout)
     job = job.model_copy(update={"features": features})
-    plan = train_plan(job, layout, rows, data_mix(job.data, cfg.s3), answered_rows(features, cfg))
+    plan = train_plan(job, layout, rows, data_mix(job.data, cfg.s3), answered_rows(features, cfg), bool(key))
     print(format_train_plan(plan), flush=True)
     if dry_run:
         return {"plan": plan, "dry_run": True}
@@ -213,10 +213,11 @@ def run_train_job(job: TrainJob, dry_run: bool = False) -> dict[str, Any]:
     return summary
 
 
-def train_plan(job: TrainJob, layout: "CheckpointLayout", rows: int, mix: "DataMix", answered: int = 0) \
-        -> dict[str, Any]:
+def train_plan(job: TrainJob, layout: "CheckpointLayout", rows: int, mix: "DataMix", answered: int = 0,
+               shared: bool = False) -> dict[str, Any]:
     """The plan as a dict (also the summary's `plan`); `rows`: input rows after --limit; `mix`: their kinds;
-    `answered`: training rows whose answers are already stored (reused, not answered again)."""
+    `answered`: training rows whose answers are already stored (reused, not answered again); `shared`: they are
+    stored in the shared answers folder (training.answers), not in --work."""
     m = training_method(job.method, job.method_options)
     stages = stage_schedule(m, job.train)
     dtype = job.decode.get("dtype", "auto")
@@ -231,7 +232,7 @@ def train_plan(job: TrainJob, layout: "CheckpointLayout", rows: int, mix: "DataM
         "datagen": {"actors": job.datagen_actors, "gpus_per_actor": job.gpus_per_actor, "dtype": dtype,
                     "answers": "greedy" if temp == 0 else f"sampled at T = {temp:g}",
                     "max_new_tokens": job.recipe.max_new_tokens, "stored": job.features_dir,
-                    "reused_rows": answered},
+                    "reused_rows": answered, "shared": shared},
         "trainer": {"kind": "corpus" if m.corpus_only else "ray-train" if job.num_workers else "single-process",
                     "workers": job.num_workers,
                     "gpu": job.use_gpu, "cpus_per_worker": job.cpus_per_worker, "epochs": job.train.epochs,

@@ -30,7 +30,8 @@ def format_train_plan(plan: dict[str, Any]) -> str:
         from mmspec_ray.training.answers import reuse_text
 
         done = dg.get("reused_rows", 0)
-        lines.append(f"  stored   {reuse_text(dg['stored'], done, max(0, plan['train_rows'] - done))}")
+        todo = max(0, plan["train_rows"] - done)
+        lines.append(f"  stored   {reuse_text(dg['stored'], done, todo, dg.get('shared', True))}")
     lines += [
         f"  trainer  {trainer_text(plan)}",
         f"  work     {plan['work']} (checkpoints and the trainer's files: a re-run resumes from them)",
