@@ -198,7 +198,9 @@ def test_auto_finds_the_drafter_trained_for_the_checkpoint_and_prefers_the_faste
     extra = tmp_path / "team-drafters"
     choice = choose_drafter("auto", ckpt, data="s3://b/requests/")
     assert choice.spec == "ngram" and "no drafter trained for this checkpoint" in choice.why
-    assert f"mmspec train-drafter --method eagle2 --target {ckpt} --data s3://b/requests/ --out {home}/" in choice.why
+    assert f"train-drafter --method auto --target {ckpt} --data s3://b/requests/ --out {home}/" in choice.why
+    with_tokens = choose_drafter("auto", ckpt, data="s3://b/requests/", max_new_tokens=96)
+    assert "--data s3://b/requests/ --max-new-tokens 96 --out" in with_tokens.why
     slow = _saved_drafter(target, home / "slow", 0.8)
     _saved_drafter(other, home / "for-other", 3.0)  # faster, but for another checkpoint
     assert json.loads((Path(slow) / "config.json").read_text())["target_id"] == target.identity

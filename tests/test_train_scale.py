@@ -220,16 +220,17 @@ def test_cli_single_process_trainer_on_the_same_path(ray_cluster, ckpt, tmp_path
     data = str(tmp_path / "req.parquet")
     pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), data)
     before = choose_drafter("auto", ckpt, data=data)
-    assert before.spec == "ngram" and "train one on this data with: mmspec train-drafter" in before.why
+    assert before.spec == "ngram" and "train-drafter --method auto" in before.why
     command = before.why.split("train one on this data with: ")[1].split()
+    command = command[command.index("train-drafter"):]  # after the program (mmspec, its path, or python -m ...)
     out = Path(command[command.index("--out") + 1])
     assert out.parent == tmp_path / "home" / "drafters"
     (tmp_path / "home").mkdir()
     monkeypatch.chdir(tmp_path / "home")
     relative = ["--out" if a == "--out" else str(out.relative_to(tmp_path / "home")) if a == str(out) else a
-                for a in command[1:]]
+                for a in command]
     argv = relative + ["--heldout", "2", "--epochs", "2", "--batch-size", "4", "--max-new-tokens", "8",
-                       "--device", "cpu"]
+                       "--device", "cpu", "--method", "eagle2"]  # (auto picks suffix for the 2-layer checkpoint)
     assert main(argv) == 0
     plan, _, printed = capsys.readouterr().out.partition("\n{")
     summary = json.loads("{" + printed)

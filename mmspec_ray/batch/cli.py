@@ -13,7 +13,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from mmspec_ray.batch.jobspec import CAPTION_PROMPT, DEFAULT_DRAFTER, DEFAULT_SPLIT, DEFAULT_TOY, JobSpec, merge
+from mmspec_ray.batch.jobspec import (CAPTION_PROMPT, DEFAULT_DRAFTER, DEFAULT_SPLIT, DEFAULT_TOY, DecodeConfig, JobSpec,
+                                     merge)
 from mmspec_ray.config import S3Config, mmspec_home
 
 log = logging.getLogger("mmspec.batch")
@@ -183,7 +184,8 @@ def plan(job: str, a: argparse.Namespace) -> tuple[JobSpec, pa.Table | None, str
 
         s3 = S3Config.model_validate(dec["s3"]) if "s3" in dec else None
         check_drafter_dirs(tuple(dec.get("drafter_dirs") or ()), s3 or S3Config.from_env())
-        choice = choose_drafter("auto", dec["target"], tuple(dec.get("drafter_dirs") or ()), data.get("input"), s3)
+        choice = choose_drafter("auto", dec["target"], tuple(dec.get("drafter_dirs") or ()), data.get("input"), s3,
+                                dec.get("max_new_tokens", DecodeConfig.model_fields["max_new_tokens"].default))
         dec["drafter"], why = choice.spec, choice.why
     media = dec.setdefault("media", {})
     media.setdefault("require", JOBS[job]["media"])

@@ -70,7 +70,8 @@ def run_job(spec: JobSpec, table: pa.Table | None = None, decoder_cls: type = Sp
     if spec.decode.drafter == "auto":  # callers that did not choose it (the job scripts do, before planning)
         from mmspec_ray.toy.drafter import choose_drafter
 
-        choice = choose_drafter("auto", spec.decode.target, spec.decode.drafter_dirs, spec.input, spec.decode.s3)
+        choice = choose_drafter("auto", spec.decode.target, spec.decode.drafter_dirs, spec.input, spec.decode.s3,
+                                spec.decode.max_new_tokens)
         spec = spec.model_copy(update={"decode": spec.decode.model_copy(update={"drafter": choice.spec})})
         drafter_why = choice.why
     check_drafter(spec.decode)  # on this driver, before Ray starts or anything is written

@@ -181,11 +181,12 @@ def toy_world_of(target: str) -> tuple[str, ToyWorld] | None:
 
 
 def choose_drafter(drafter: str | None, target: str, folders: tuple[str, ...] = (), data: str | None = None,
-                   s3: S3Config | None = None) -> DrafterChoice:
+                   s3: S3Config | None = None, max_new_tokens: int | None = None) -> DrafterChoice:
     """`auto` (the default drafter) made concrete for `target`, with the reason: a toy world's shipped drafter (its
     checkpoint folder, trained on first use); else the drafter trained for this very checkpoint (its identity) with
     the best recorded held-out τ in $MMSPEC_HOME/drafters/ and `folders` (local or s3://); else `ngram`, saying so and
-    naming the one command that trains a drafter on `data` (the job's input). Anything else passes through."""
+    naming the one command that trains a drafter on `data` (the job's input, answered up to the job's
+    `max_new_tokens`). Anything else passes through."""
     from mmspec_ray.drafters.discover import choose_for, home_drafters, train_command
     from mmspec_ray.targets.layout import checkpoint_identity
     from mmspec_ray.targets.request import TargetError
@@ -219,7 +220,7 @@ def choose_drafter(drafter: str | None, target: str, folders: tuple[str, ...] = 
                              f"the drafters found for it by {tau}{passed}")
     return DrafterChoice("ngram", f"auto: ngram (prompt lookup, about AR speed): no drafter trained for this "
                          f"checkpoint ({identity}) among {seen} in {', '.join(search)}{passed}; train one on this "
-                         f"data with: {train_command(target, data)}")
+                         f"data with: {train_command(target, data, max_new_tokens)}")
 
 
 def resolve_auto_drafter(drafter: str | None, target: str, folders: tuple[str, ...] = (),
