@@ -59,3 +59,34 @@ def test_the_work_log_pattern_catches_what_it_should():
     assert WORK_LOG.search("as issue 23 asked") and WORK_LOG.search("Session 39 measured") and \
         WORK_LOG.search("see DRAFTERS.md")
     assert not WORK_LOG.search("docs/design.md and docs/drafters.md") and not WORK_LOG.search("start_new_session")
+
+
+SPEEDUP = re.compile(r"(?<![\w.])\d+\.\d+x\b")  # a speedup figure: 1.26x
+MEASURING = [ROOT / "docs" / "benchmarks.md", *sorted((ROOT / "docs" / "drafters").glob("*.md"))]
+RAW = (ROOT / "docs" / "bench", ROOT / "docs" / "history")  # run outputs and the measurement history, as written
+
+
+def test_the_readme_fits_one_screen_above_its_first_command_and_quotes_no_figure():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("```bash"))
+    assert first <= 20, f"{first} lines above the README's first command"
+    assert not SPEEDUP.findall("\n".join(lines))
+
+
+def test_each_speedup_figure_lives_on_the_page_that_measures_it():
+    """Speedups appear only on the measuring pages (benchmarks.md, drafters/*.md, and the raw run outputs under
+    docs/bench and docs/history); every other page links there. And no line with a speedup is copied from one
+    measuring page to another: the copy would go stale when the figure is measured again."""
+    elsewhere = {str(p.relative_to(ROOT)): SPEEDUP.findall(p.read_text()) for p in PAGES
+                 if p not in MEASURING and not any(r in p.parents for r in RAW)}
+    assert not {p: f for p, f in elsewhere.items() if f}
+    seen: dict[str, str] = {}
+    copied = []
+    for page in MEASURING:
+        for line in page.read_text().splitlines():
+            if SPEEDUP.search(line):
+                key = " ".join(line.split())
+                if key in seen and seen[key] != page.name:
+                    copied.append(f"{seen[key]} and {page.name}: {key[:80]}")
+                seen.setdefault(key, page.name)
+    assert not copied, copied
