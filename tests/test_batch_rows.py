@@ -386,15 +386,16 @@ def test_a_drafter_that_pays_on_some_rows_drafts_them_and_the_summary_says_what_
     dec = SpecDecoder(cfg.model_copy(update={"drafter": str(drafter), "max_new_tokens": 32, "payoff_guard": True,
                                              "tree": TreeConfig(top_k=2, depth=6, total_tokens=12)}))
     outs = [dec.decode({"id": i, "prompt": p}) for i, p in enumerate(prompts)]
-    assert all(o["error"] is None and o["guard"] in ("drafted", "fell_back", "held", "warm_up") for o in outs)
+    assert all(o["error"] is None and o["payoff_guard"] in ("drafted", "fell_back", "held", "warm_up") for o in outs)
     for i in known:
         o = outs[i]
         assert o["output_token_ids"] == answers[i]  # lossless, as ever
-        assert o["num_output_tokens"] / o["cycles"] >= 2.5, (i, o["num_output_tokens"], o["cycles"], o["guard"])
+        assert o["num_output_tokens"] / o["verify_cycles"] >= 2.5, (i, o["num_output_tokens"], o["verify_cycles"],
+                                                                  o["payoff_guard"])
     table = attach_outputs(pa.table({"id": list(range(len(prompts)))}), outs)
     s = summarize(table, table.column("id").combine_chunks(), table.column("id").combine_chunks(), 1.0, {})
     g = s["run"]["payoff_guard"]
     assert g["rows"] == len(prompts) and sum(g["rows_by_outcome"].values()) == len(prompts)
-    assert g["plain_cycles"] == sum(o["guard_plain_cycles"] for o in outs) and g["cycles"] == sum(o["cycles"]
+    assert g["plain_cycles"] == sum(o["guard_plain_cycles"] for o in outs) and g["cycles"] == sum(o["verify_cycles"]
                                                                                                   for o in outs)
     assert f"/{len(prompts)} rows drafted throughout" in format_summary(s)

@@ -13,8 +13,8 @@ import torch
 
 from mmspec_ray.config import SamplingParams
 from mmspec_ray.decoding.engine import AREngine, SpecEngine
-from mmspec_ray.decoding.payoff import (BACKOFF, HELD, KIND_MIN, MIN_CYCLES, PLAIN, RETRY_CYCLES, YARDSTICK, KindMemory,
-                                        PayoffGuard, RequestGuard, ladder, request_kind)
+from mmspec_ray.decoding.payoff import (BACKOFF, HELD, KIND_MIN, MIN_CYCLES, ONE_TOKEN, PLAIN, PROBE_EVERY, RETRY_CYCLES,
+                                        YARDSTICK, KindMemory, PayoffGuard, RequestGuard, ladder, request_kind)
 from mmspec_ray.decoding.tree import DraftTree, TreeConfig
 from mmspec_ray.drafters.eagle import Eagle2Drafter
 from mmspec_ray.targets import Request, wrap
@@ -34,6 +34,18 @@ def test_ladder_ends_in_plain_steps():
     assert ladder(TREE) == [TREE, TreeConfig(top_k=2, depth=2, total_tokens=10), PLAIN]
     assert ladder(TreeConfig(top_k=1, depth=1, total_tokens=2)) == [TreeConfig(top_k=1, depth=1, total_tokens=2), PLAIN]
     assert ladder(PLAIN) == [PLAIN]
+
+
+def test_a_one_token_tree_is_reported_as_such_not_as_drafted():
+    """Calibration may pick a one-token tree (drafting does not pay on this machine): every cycle is plain, and the
+    row says so (never `drafted`)."""
+    guard = PayoffGuard()
+    yardstick(guard)
+    r = guard.request(PLAIN, "text/short")
+    for n in range(5):
+        assert r.next_tree(n) == PLAIN
+        r.record(PLAIN, 1, 1.0)
+    assert r.outcome == ONE_TOKEN and r.plain[ONE_TOKEN] == 5
 
 
 def test_plain_steps_come_first_until_the_yardstick_is_timed():
@@ -124,13 +136,14 @@ def test_a_retry_that_pays_resets_the_backoff():
     assert mem.backoff == BACKOFF[0] and r.next_tree(0) == ladder(TREE)[1]
 
 
-def test_a_kind_is_held_plain_only_after_several_losing_requests_and_still_probes_each_one():
+def test_a_kind_is_held_plain_only_after_several_losing_requests_and_probes_at_random():
     """One request that lost (a noisy one, or a row the drafter cannot guess) holds nothing: only `KIND_MIN` drafted
-    requests that all lost hold the kind plain at the start, and a held request still drafts (a probe) within the
-    first half of the kind's usual answer, however long the backoff has grown."""
+    requests that all lost hold the kind plain at the start. A held request drafts once its answer reaches the
+    kind's usual length; one in PROBE_EVERY, drawn at random, probes at half that length, however long the backoff
+    has grown (a wait as long as the answers themselves would silence the drafter for good)."""
     guard = PayoffGuard()
     yardstick(guard)
-    for i in range(KIND_MIN):  # short answers on which drafting (its prefill included) lost
+    for i in range(KIND_MIN):  # answers on which drafting (its prefill included) lost
         r = guard.request(TREE, "video/short")
         assert r.next_tree(0) != PLAIN, i  # not held yet: drafts from the start
         r.record(r.next_tree(0), 1, 2.0, extra_s=0.5)
@@ -138,15 +151,36 @@ def test_a_kind_is_held_plain_only_after_several_losing_requests_and_still_probe
     mem = guard.kinds["video/short"]
     assert mem.held and mem.pay_s < 0
     mem.backoff = BACKOFF[1]  # far past these answers
-    r = guard.request(TREE, "video/short")
-    trees = []
-    for _ in range(11):
-        trees.append(r.next_tree(len(trees)))
-        if trees[-1] == PLAIN:
+    firsts = []
+    for _ in range(8 * PROBE_EVERY):
+        r = guard.request(TREE, "video/short")
+        n = 0
+        while n < 20 and r.next_tree(n) == PLAIN:
             r.record(PLAIN, 1, 1.0)
-    assert trees[:10] == [PLAIN] * 10 and trees[10] != PLAIN  # the probe at half the usual answer (20 // 2)
-    assert r.outcome == HELD and r.plain[HELD] == 10
+            n += 1
+        firsts.append(n)  # the first drafted cycle's answer position (20: none within the usual answer)
+        assert r.outcome == HELD and mem.held
+        r.finish(20)
+    probes = [i for i, n in enumerate(firsts) if n == 10]
+    assert set(firsts) == {10, 20} and 3 <= len(probes) <= 3 * 8, firsts
+    assert any(i % PROBE_EVERY for i in probes)  # drawn, not every PROBE_EVERY-th request
     assert guard.request(TREE, "text/short").next_tree(0) == TREE  # other kinds are not held back
+
+
+def test_within_a_request_a_failed_retry_waits_the_doubled_backoff_not_the_half_answer():
+    """A long answer in a kind of short ones: after a failed retry the wait is the doubled backoff, so a losing
+    drafter is not retried every few tokens for the rest of a long answer."""
+    guard = PayoffGuard()
+    yardstick(guard)
+    mem = guard.kinds.setdefault("image/short", KindMemory())
+    mem.answers.extend([4] * 8)  # usual answer: 4 tokens, half of it 2
+    r = guard.request(TREE, "image/short")
+    drafted = 0
+    for n in range(256):
+        tree = r.next_tree(n)
+        drafted += tree != PLAIN
+        r.record(tree, 1, 1.0 if tree == PLAIN else 2.0, generated=n)  # drafting always loses
+    assert drafted < 256 // 8, drafted
 
 
 def test_a_drafter_that_pays_on_some_rows_of_a_kind_is_never_held_plain_for_the_job():
@@ -186,16 +220,17 @@ def test_a_held_kind_drafts_again_once_a_probe_pays():
     mem.payoffs.extend([-1.0] * KIND_MIN)
     mem.answers.extend([16] * 4)
     r = guard.request(TREE, "image/short")
-    assert r.next_tree(0) == PLAIN
-    for n in range(8):
-        assert r.next_tree(n) == PLAIN
+    n = 0
+    while r.next_tree(n) == PLAIN:
         r.record(PLAIN, 1, 1.0)
-    probe = r.next_tree(8)
+        n += 1
+    assert n in (8, 16)  # a probe at half the usual answer, or the drafter begun at the usual length
+    probe = r.next_tree(n)
     assert probe == ladder(TREE)[1]
     for _ in range(RETRY_CYCLES):
         r.record(probe, 4, 1.2)  # pays
-    assert r.next_tree(16) == probe and r.outcome == HELD
-    r.finish(24)
+    assert r.next_tree(n + 8) == probe and r.outcome == HELD
+    r.finish(n + 16)
     assert not mem.held and guard.request(TREE, "image/short").next_tree(0) != PLAIN
 
 

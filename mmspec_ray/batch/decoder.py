@@ -141,9 +141,9 @@ class SpecDecoder:
             "num_output_tokens": len(gen.token_ids),
             "accepted_per_cycle": float(gen.stats.mean_accepted),
             "decode_seconds": float(gen.stats.total_s),
-            "cycles": gen.stats.cycles,
+            "verify_cycles": gen.stats.cycles,
             "guard_plain_cycles": sum(gen.stats.guard_plain_cycles.values()) if gen.stats.guard else None,
-            "guard": gen.stats.guard,
+            "payoff_guard": gen.stats.guard,
             "error": None,
             "error_kind": None,
         }

@@ -128,7 +128,7 @@ def _resolve_names(cfg: DecodeConfig) -> tuple[DecodeConfig, str | None]:
     if cfg.drafter != "auto":
         return cfg, None
     check_drafter_dirs(cfg.drafter_dirs, cfg.s3)
-    choice = choose_drafter("auto", cfg.target, cfg.drafter_dirs, None, cfg.s3)
+    choice = choose_drafter("auto", cfg.target, cfg.drafter_dirs, None, cfg.s3, cfg.max_new_tokens)
     return cfg.model_copy(update={"drafter": choice.spec}), choice.why
 
 

@@ -31,9 +31,10 @@ OUTPUT_SCHEMA = pa.schema([
     ("num_output_tokens", pa.int32()),
     ("accepted_per_cycle", pa.float64()),  # mean accepted draft tokens per verify cycle (bonus token excluded)
     ("decode_seconds", pa.float64()),  # generation wall time of this row (media decoding excluded)
-    ("cycles", pa.int32()),  # target forwards after the prefill
+    ("verify_cycles", pa.int32()),  # target forwards after the prefill
     ("guard_plain_cycles", pa.int32()),  # of those, decoded plainly by the payoff guard (decoding/payoff.py)
-    ("guard", pa.string()),  # what the payoff guard did: drafted, fell_back, held, warm_up; null: no guard
+    # what the payoff guard did: drafted, fell_back, held, warm_up, one_token_tree; null: no guard
+    ("payoff_guard", pa.string()),
     ("error", pa.string()),  # null on success; "<field>: <what was wrong>" otherwise
     ("error_kind", pa.string()),  # null on success; e.g. media.corrupt, null_field, too_long, internal
 ])

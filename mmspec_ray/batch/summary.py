@@ -11,11 +11,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SUMMARY_COLUMNS = ["error_kind", "num_output_tokens", "accepted_per_cycle", "decode_seconds", "cycles",
-                   "guard_plain_cycles", "guard"]
+SUMMARY_COLUMNS = ["error_kind", "num_output_tokens", "accepted_per_cycle", "decode_seconds", "verify_cycles",
+                   "guard_plain_cycles", "payoff_guard"]
 GUARD_WHY = {"fell_back": "drafting did not pay on the row", "held": "drafting lost on each of the kind's latest rows, "
              "so the row started plain and drafted only to measure it again", "warm_up": "a plain step's time was "
-             "still being measured"}
+             "still being measured", "one_token_tree": "the calibrated tree is one token (drafting measured not to "
+             "pay on this machine)"}
 
 
 def row_stats(t: pa.Table | None) -> dict[str, Any]:
@@ -43,13 +44,13 @@ def guard_stats(ok: pa.Table) -> dict[str, Any] | None:
     """What the payoff guard did on successful rows: rows by outcome (drafted throughout, fell back, held, warm-up),
     and the share of their cycles it decoded plainly; None where no row ran under the guard (rows written before
     the columns existed count as none)."""
-    if "guard" not in ok.column_names:
+    if "payoff_guard" not in ok.column_names:
         return None
-    guarded = ok.filter(pc.is_valid(ok.column("guard")))
+    guarded = ok.filter(pc.is_valid(ok.column("payoff_guard")))
     if not guarded.num_rows:
         return None
-    outcomes = {d["values"]: d["counts"] for d in pc.value_counts(guarded.column("guard")).to_pylist()}
-    cycles = int(pc.sum(guarded.column("cycles")).as_py() or 0)
+    outcomes = {d["values"]: d["counts"] for d in pc.value_counts(guarded.column("payoff_guard")).to_pylist()}
+    cycles = int(pc.sum(guarded.column("verify_cycles")).as_py() or 0)
     plain = int(pc.sum(guarded.column("guard_plain_cycles")).as_py() or 0)
     return {"rows": guarded.num_rows, "rows_by_outcome": dict(sorted(outcomes.items())),
             "plain_cycles": plain, "cycles": cycles, "plain_cycle_share": plain / cycles if cycles else None}
@@ -133,7 +134,7 @@ def guard_text(g: dict[str, Any] | None) -> str:
     if not g:
         return ""
     by = g["rows_by_outcome"]
-    why = "; ".join(f"{by[k]} rows partly plain, {GUARD_WHY[k]}" for k in ("fell_back", "held", "warm_up")
+    why = "; ".join(f"{by[k]} rows partly plain, {GUARD_WHY[k]}" for k in ("fell_back", "held", "warm_up", "one_token_tree")
                     if by.get(k))
     share = g["plain_cycle_share"] or 0.0
     return (f"; payoff guard: {by.get('drafted', 0)}/{g['rows']} rows drafted throughout, {share:.0%} of cycles "

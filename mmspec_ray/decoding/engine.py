@@ -117,6 +117,9 @@ class SpecEngine:
         yield tracker.ids[:]
         t0 += time.perf_counter() - tp
         if done:
+            if guard is not None:  # an answer ended by its first token is still one of its kind's answers
+                guard.finish(len(tracker.ids))
+                stats.guard, stats.guard_plain_cycles = guard.outcome, dict(guard.plain)
             return self._finish(tracker, stats, t0, d)
         first_root, begun, passes0 = first[0], False, 0
         news = self.calibrator is not None or self.guard is not None or self.tree.total_tokens > 1

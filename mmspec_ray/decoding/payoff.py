@@ -9,13 +9,16 @@ when a running mean of that ratio drops below 1: the calibrated tree, a half-siz
 that doubles after each failed retry, and a half-size tree that pays well grows back. What it learns is kept per
 kind of request (media kind and prompt length): how long its answers run, and what drafting paid on each of its last
 requests once the drafter's own prefill is counted. A kind is held plain at the start of a request only when
-drafting lost on every one of its last requests (at least `KIND_MIN` of them); even then every request measures
-drafting again (a probe) within the first half of the kind's usual answer, so a drafter that pays on some rows of a
-kind is never silenced by the rows it cannot guess. Lossless as ever: the guard only chooses which tree is proposed.
+drafting lost on every one of its last requests (at least `KIND_MIN` of them). A held request drafts once its answer
+outgrows the kind's usual length, and one in `PROBE_EVERY`, drawn at random (so the probes cannot all land on the
+rows a drafter cannot guess), measures drafting again within the first half of the usual answer: a drafter that
+pays on some rows of a kind is never silenced by the rows it cannot guess. A wait before a retry is never longer
+than the answers it holds plain. Lossless as ever: the guard only chooses which tree is proposed.
 """
 
 from __future__ import annotations
 
+import random
 import statistics
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -37,8 +40,11 @@ KIND_KEPT = 16  # ... judged over the latest this many drafted requests (any one
 RUNG_ALPHA = 0.2  # weight of the newest drafted cycle in a kind's gain at that rung
 EXPLORE_EVERY = 8  # every this many requests of a kind, one starts on a rung other than the best one so far
 ANSWERS_KEPT = 16  # answer lengths remembered per kind (their median: how long the kind's answers run)
-# why a cycle was decoded plainly by the guard (a row's `guard` outcome names the commonest, "drafted" when none)
-WARM_UP, HELD, FELL_BACK = "warm_up", "held", "fell_back"
+PROBE_EVERY = 8  # a held kind's requests that probe drafting within the first half of the usual answer: one in this
+PROBE_SEED = 0  # ... drawn by a seeded generator per kind (a decoder's choices repeat from run to run)
+# why a cycle was decoded plainly by the guard (a row's `guard` outcome names the commonest, "drafted" when none);
+# ONE_TOKEN: the tree itself is one token (calibration measured that drafting does not pay on this machine)
+WARM_UP, HELD, FELL_BACK, ONE_TOKEN = "warm_up", "held", "fell_back", "one_token_tree"
 
 
 def ladder(tree: TreeConfig) -> list[TreeConfig]:
@@ -74,6 +80,7 @@ class KindMemory:
     # seconds drafting saved on each of the latest drafted requests (negative: lost), the drafter's prefill included
     payoffs: deque = field(default_factory=lambda: deque(maxlen=KIND_KEPT))
     answers: deque = field(default_factory=lambda: deque(maxlen=ANSWERS_KEPT))  # recent answer lengths in tokens
+    draws: random.Random = field(default_factory=lambda: random.Random(PROBE_SEED))  # which held requests probe
 
     @property
     def pay_s(self) -> float | None:
@@ -106,14 +113,20 @@ class KindMemory:
             return next(r for r in rungs if r != best)
         return best
 
-    def wait(self) -> int:
-        """Plain steps before drafting is tried again: the backoff, but never past half of the kind's usual answer,
-        so that every request of the kind measures drafting at least once (a wait as long as the answers it holds
-        plain would silence the drafter for good, and probes on a few requests can all land on rows it cannot
-        guess)."""
-        if not self.answers:
+    def usual(self) -> int | None:
+        """How long this kind's answers run: the median of the latest ones (None before any)."""
+        return int(statistics.median(self.answers)) if self.answers else None
+
+    def first_wait(self, held: bool) -> int:
+        """Plain steps before a request's first retry: the backoff, never past half the kind's usual answer (a wait
+        as long as the answers it holds plain would silence the drafter for good); for a held kind, the usual
+        answer length itself except on one request in `PROBE_EVERY`, drawn at random."""
+        usual = self.usual()
+        if usual is None:
             return self.backoff
-        return max(1, min(self.backoff, int(statistics.median(self.answers)) // 2))
+        if held and self.draws.randrange(PROBE_EVERY):
+            return max(1, usual)
+        return max(1, min(self.backoff, usual // 2))
 
 
 class PayoffGuard:
@@ -144,8 +157,9 @@ class RequestGuard:
         self.guard, self.memory = guard, memory
         self.ladder = ladder(tree)
         self.plain_level = len(self.ladder) - 1
+        held = memory.held
         self.level = memory.start_level(self.plain_level)
-        self.wait = memory.wait()  # plain steps before a retry, this request
+        self.wait = memory.first_wait(held)  # plain steps before the next retry
         self.gain: float | None = None  # running mean of (tokens x plain-step seconds / cycle seconds) at this rung
         self.judged = 0  # drafted cycles at this rung since it was entered
         self.plain_run = 0  # plain steps since drafting last stopped
@@ -153,14 +167,16 @@ class RequestGuard:
         self.pay_s = 0.0  # seconds drafting saved on this request so far (negative: lost)
         self.drafted = False
         self.moves: list[tuple[int, int]] = []  # (answer tokens so far, new rung) at each move: the stats' record
-        self.why = HELD  # why the guard's plain steps are plain, while they are (the kind held; a fall back)
+        # why the guard's plain steps are plain, while they are: the kind held, a fall back, or a one-token tree
+        self.why = ONE_TOKEN if self.plain_level == 0 else HELD
         self.plain: Counter[str] = Counter()  # cycles this guard decoded plainly, by why
 
     @property
     def outcome(self) -> str:
         """What the guard did on this request: `drafted` (it never held a cycle plain), else why most of its plain
         cycles were plain: `held` (the kind lost on its latest requests), `fell_back` (drafting did not pay on
-        this request), `warm_up` (a plain step's time was still being measured)."""
+        this request), `warm_up` (a plain step's time was still being measured), `one_token_tree` (the tree
+        itself is one token)."""
         return self.plain.most_common(1)[0][0] if self.plain else "drafted"
 
     def next_tree(self, generated: int) -> TreeConfig:
@@ -171,7 +187,7 @@ class RequestGuard:
         if self.level == self.plain_level and self.plain_level > 0 and self.plain_run >= self.wait:
             self._move(self.plain_level - 1, generated)
             self.retry = True
-        if self.level == self.plain_level and self.plain_level > 0:
+        if self.level == self.plain_level:
             self.plain[self.why] += 1
         return self.ladder[self.level]
 
@@ -199,13 +215,13 @@ class RequestGuard:
                 return  # of hard tokens (a caption's first content words) gets as many cycles again
             if self.retry and self.level + 1 == self.plain_level:  # a retry that failed: wait longer next time
                 self.memory.backoff = min(2 * self.memory.backoff, BACKOFF[1])
-                self.wait = self.memory.wait()
+                self.wait = self.memory.backoff  # (within this request the half-answer cap has had its probe)
             if self.level + 1 == self.plain_level and not self.retry:
                 self.why = FELL_BACK  # (a failed retry keeps the stretch's why: a held kind stays held)
             self._move(self.level + 1, generated)
         elif self.retry:  # a retry that paid: back to the first wait
             self.retry, self.memory.backoff = False, BACKOFF[0]
-            self.wait, self.why = self.memory.wait(), FELL_BACK
+            self.wait, self.why = self.memory.backoff, FELL_BACK
         elif self.gain >= GROW and self.level > 0:
             self._move(self.level - 1, generated)
 
