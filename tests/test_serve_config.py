@@ -100,8 +100,11 @@ def test_a_gpu_config_on_a_machine_without_gpus_is_refused_in_one_line_before_ra
 
     from mmspec_ray.serve.__main__ import check_config_fits, main
 
+    import tempfile
+
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))  # no Ray already running here
     gpu = str(ROOT / "deployments" / "gpu.yaml")
     assert main([gpu]) == 2
     err = capsys.readouterr().err.strip()
@@ -109,11 +112,18 @@ def test_a_gpu_config_on_a_machine_without_gpus_is_refused_in_one_line_before_ra
     assert "ChatCompletions ray_actor_options" in err and not ray.is_initialized()
     assert check_config_fits(str(ROOT / "deployments" / "cpu.yaml"), {}) is None
     assert check_config_fits(gpu, {"RAY_ADDRESS": "ray://head:10001"}) is None
+    assert check_config_fits(gpu, {}, [gpu, "--address", "ray://head:10001"]) is None
     data = yaml.safe_load((ROOT / "deployments" / "cpu.yaml").read_text())
-    data["applications"][0]["args"]["gpus_per_replica"] = 1  # asked in the app's args instead
+    data["applications"][0]["args"]["gpus_per_replica"] = 1  # the deployments: entry's options replace the app's
+    (tmp_path / "replaced.yaml").write_text(yaml.safe_dump(data))
+    assert check_config_fits(str(tmp_path / "replaced.yaml"), {}) is None  # whole, as Serve does: no GPU asked
+    del data["applications"][0]["deployments"][0]["ray_actor_options"]  # now the app's own options hold
     (tmp_path / "args.yaml").write_text(yaml.safe_dump(data))
     assert "args.gpus_per_replica" in check_config_fits(str(tmp_path / "args.yaml"), {})
     data["applications"][0]["args"]["gpus_per_replica"] = 0
     data["applications"][0]["deployments"][0]["ray_actor_options"] = {"num_cpus": (os.cpu_count() or 1) + 1}
     (tmp_path / "cpus.yaml").write_text(yaml.safe_dump(data))
     assert "CPUs" in check_config_fits(str(tmp_path / "cpus.yaml"), {})
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:6379")  # a `ray start` cluster: it decides
+    assert check_config_fits(str(tmp_path / "cpus.yaml"), {}) is None

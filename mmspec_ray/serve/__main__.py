@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
@@ -27,36 +28,47 @@ def serve_environment(env: MutableMapping[str, str]) -> None:
 
 
 def replica_asks(app: dict[str, Any]) -> dict[str, tuple[float, str]]:
-    """What one replica of a config's application asks for: {"GPU"|"CPU": (count, where it is set)}. The
-    config's `deployments:` section wins (Serve applies it over the app), then the app's `args.deployment`, then
-    `args.gpus_per_replica` (auto asks for none where the machine has no GPU)."""
+    """What one replica of a config's application asks for: {"GPU"|"CPU": (count, where it is set)}. A
+    `ray_actor_options` in the config's `deployments:` entry replaces the app's own whole (Serve's rule: a key it
+    leaves out is not asked for); without one, the app's: `args.deployment.ray_actor_options` over the server's
+    default, and `args.gpus_per_replica` where those set no `num_gpus` (auto asks for none where the machine has
+    no GPU)."""
     from mmspec_ray.serve.settings import DEFAULT_DEPLOYMENT
 
     args = app.get("args") or {}
+    keys = (("num_gpus", "GPU"), ("num_cpus", "CPU"))
+    for d in app.get("deployments") or []:
+        if d.get("name") in (None, "ChatCompletions") and d.get("ray_actor_options") is not None:
+            where = f"deployments: {d.get('name')} ray_actor_options"
+            return {res: (float(d["ray_actor_options"][k]), where) for k, res in keys
+                    if d["ray_actor_options"].get(k) is not None}
     out: dict[str, tuple[float, str]] = {}
-    default = DEFAULT_DEPLOYMENT.get("ray_actor_options") or {}
-    for key, res in (("num_gpus", "GPU"), ("num_cpus", "CPU")):
-        if key in default:
-            out[res] = (float(default[key]), "the server's default")
     gpus = args.get("gpus_per_replica", "auto")
     if gpus != "auto":
         out["GPU"] = (float(gpus), "args.gpus_per_replica")
-    sources = [((args.get("deployment") or {}).get("ray_actor_options") or {}, "args.deployment.ray_actor_options")]
-    sources += [(d.get("ray_actor_options") or {}, f"deployments: {d.get('name')} ray_actor_options")
-                for d in app.get("deployments") or [] if d.get("name") in (None, "ChatCompletions")]
-    for options, where in sources:
-        for key, res in (("num_gpus", "GPU"), ("num_cpus", "CPU")):
+    for options, where in ((DEFAULT_DEPLOYMENT.get("ray_actor_options") or {}, "the server's default"),
+                           ((args.get("deployment") or {}).get("ray_actor_options") or {},
+                            "args.deployment.ray_actor_options")):
+        for key, res in keys:
             if options.get(key) is not None:
                 out[res] = (float(options[key]), where)
     return out
 
 
-def check_config_fits(path: str, env: MutableMapping[str, str]) -> str | None:
-    """Why the config's replicas can never start on this machine (None: they fit, or a cluster named in RAY_ADDRESS
+def starts_local_ray(argv: list[str], env: MutableMapping[str, str]) -> bool:
+    """Whether `serve run` with these arguments starts a fresh Ray on this machine: no cluster named (RAY_ADDRESS,
+    --address / -a) and none running here already (`ray start`; its address file), which may have other nodes."""
+    if env.get("RAY_ADDRESS") or any(a in ("--address", "-a") or a.startswith("--address=") for a in argv):
+        return False
+    return not Path(tempfile.gettempdir(), "ray", "ray_current_cluster").exists()
+
+
+def check_config_fits(path: str, env: MutableMapping[str, str], argv: list[str] | None = None) -> str | None:
+    """Why the config's replicas can never start on this machine (None: they fit, or a cluster named or running
     decides, its autoscaler perhaps adding nodes). Only where this command starts Ray on this machine."""
     import yaml
 
-    if env.get("RAY_ADDRESS") or not path.endswith((".yaml", ".yml")) or not Path(path).is_file():
+    if not starts_local_ray(argv or [], env) or not path.endswith((".yaml", ".yml")) or not Path(path).is_file():
         return None
     config = yaml.safe_load(Path(path).read_text()) or {}
     for app in config.get("applications") or []:
@@ -82,7 +94,7 @@ def check_config_fits(path: str, env: MutableMapping[str, str]) -> str | None:
 
 def main(argv: list[str]) -> int:
     serve_environment(os.environ)
-    why = check_config_fits(argv[0], os.environ) if argv else None
+    why = check_config_fits(argv[0], os.environ, argv) if argv else None
     if why:
         print(f"error: {why}", file=sys.stderr)
         return 2
