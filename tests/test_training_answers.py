@@ -92,3 +92,24 @@ def test_two_methods_in_a_row_answer_the_rows_once(ray_cluster, ckpt, tmp_path, 
     assert any("0 to answer" in r.getMessage() for r in caplog.records if r.name.endswith("datagen_job"))
     assert _shards(answers) == shards  # no shard written again: nothing answered twice
     assert any("held-out τ: 2/2 rows" in r.getMessage() for r in caplog.records)
+
+
+def test_answers_are_keyed_by_the_files_that_shape_them_and_stay_inside_the_bucket(ckpt, tmp_path):
+    """Stored answers are keyed by what changes an answer besides config and weights (generation config, tokenizer,
+    chat template, processor files): a checkpoint re-saved with another stop id or template answers afresh. A work
+    folder at a bucket's root keeps the answers inside that bucket."""
+    import shutil
+    from types import SimpleNamespace
+
+    from mmspec_ray.targets.layout import answer_files_digest
+    from mmspec_ray.training.answers import answers_root
+
+    copy = tmp_path / "copy"
+    shutil.copytree(ckpt, copy)
+    assert answer_files_digest(str(copy)) == answer_files_digest(ckpt)  # where it lies does not matter
+    gen = copy / "generation_config.json"
+    config = json.loads(gen.read_text()) if gen.exists() else {}
+    gen.write_text(json.dumps({**config, "eos_token_id": 7}))
+    assert answer_files_digest(str(copy)) != answer_files_digest(ckpt)
+    assert answers_root(SimpleNamespace(work_dir="s3://bucket.work")) == "s3://bucket.work/train-data"
+    assert answers_root(SimpleNamespace(work_dir="s3://b/drafters/x.work")) == "s3://b/drafters/train-data"

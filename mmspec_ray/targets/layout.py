@@ -192,3 +192,22 @@ def checkpoint_identity(uri: str, s3: S3Config | None = None, layout: Checkpoint
     for shape, sample in sorted(items):
         h.update(shape + b"|" + sample)
     return h.hexdigest()[:20]
+
+
+# files beside the weights that change what the checkpoint answers: its stop ids and penalties, its tokenizer and
+# chat template, its image / video processing
+ANSWER_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.json",
+                "chat_template.jinja", "preprocessor_config.json", "processor_config.json",
+                "video_preprocessor_config.json")
+
+
+def answer_files_digest(uri: str, s3: S3Config | None = None) -> str:
+    """A digest of the checkpoint's files other than config and weights that shape its answers (`ANSWER_FILES`, by
+    name and content): what `checkpoint_identity` leaves out, for keys of stored answers."""
+    reader = _Reader(uri, s3)
+    h = hashlib.sha256()
+    for name in sorted(set(reader.names()) & set(ANSWER_FILES)):
+        h.update(name.encode() + b"\0" + hashlib.sha256(reader.read(name)).digest())
+    return h.hexdigest()
+

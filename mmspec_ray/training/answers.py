@@ -4,7 +4,8 @@ rows that gave none.
 
 Without `--work`, a job's shards go to `train-data/<key>/`: under $MMSPEC_HOME when the work folder is local, beside
 the work folder when it is on S3 (shared storage every node reaches). The key is a digest of the checkpoint's
-identity (`targets.layout.checkpoint_identity`, the one drafter discovery matches by), the input files' content
+identity (`targets.layout.checkpoint_identity`, the one drafter discovery matches by) with a digest of its
+generation config, tokenizer, chat template and processor files, the input files' content
 fingerprints (`batch.storage.input_fingerprints`), the answer recipe (length, temperature, seed, the features
 recorded), the settings that shape an answer (device, dtype, media) and the held-out rows. A second method on the
 same target, data and settings finds every row answered and answers none again. With `--work` the shards stay in
@@ -25,15 +26,18 @@ if TYPE_CHECKING:
 
 ANSWER_SETTINGS = {"device", "dtype", "tie_margin", "default_prompt", "media"}  # DecodeConfig fields that shape answers
 CONTENT_KEYS = ("size", "md5", "sha256", "etag")  # a file's fingerprint without its modification time
+FEATURES_FORMAT = 1  # raised when what a stored example holds changes: older stored answers are then not reused
 
 
 def answers_key(job: Any, cfg: DecodeConfig, held: list[str], layout: "CheckpointLayout") -> str:
     """The digest naming a job's answers: same target, data, answer recipe, answer settings and held-out rows, same
     key (wherever the checkpoint or the data is copied). `job`: a `training.pipeline.TrainJob` (not imported here:
     the pipeline imports this module)."""
-    from mmspec_ray.targets.layout import checkpoint_identity
+    from mmspec_ray.targets.layout import answer_files_digest, checkpoint_identity
 
-    what = {"target": checkpoint_identity(job.target, cfg.s3, layout), "data": data_fingerprint(job.data, cfg),
+    what = {"target": checkpoint_identity(job.target, cfg.s3, layout),
+            "answer_files": answer_files_digest(job.target, cfg.s3),  # generation config, tokenizer, template, ...
+            "format": FEATURES_FORMAT, "data": data_fingerprint(job.data, cfg),
             "recipe": job.recipe.model_dump(mode="json"), "limit": job.limit,
             "decode": cfg.model_dump(mode="json", include=ANSWER_SETTINGS),
             "held_out": hashlib.sha256("\n".join(sorted(held)).encode()).hexdigest()}
@@ -54,7 +58,8 @@ def answers_root(job: Any) -> str:
 
     work = job.work_dir.rstrip("/")
     if work.startswith("s3://"):
-        return work.rsplit("/", 1)[0] + "/train-data"
+        parent = work.rsplit("/", 1)[0]
+        return (parent if parent != "s3:/" else work) + "/train-data"  # (a work folder at a bucket's root)
     return str(mmspec_home() / "train-data")
 
 

@@ -113,20 +113,20 @@ def _rule(mix: DataMix, sampled: bool, layers: int | None, video: float, text: f
     """`choose_method`'s rule on the shares, as (method, the measured reason)."""
     if layers is not None and layers <= SHALLOW_LAYERS:
         return "suffix", (f"a {layers}-layer target: a drafter layer costs about 1/{layers} of a target forward, too "
-                          "much to repay (toy-s, 4 layers: EAGLE-2 at AR speed, suffix 1.74x); suffix drafts "
-                          "without a model and trains nothing")
+                          "much to repay (toy-s, 4 layers: a trained EAGLE-2 at AR speed, suffix well ahead; "
+                          "docs/benchmarks.md); suffix drafts without a model and trains nothing")
     if not mix.video + mix.image:
         return "suffix", ("no rows with media: the network methods train on image and video rows (eagle2 leaves "
                           "text-only rows out); suffix builds its corpus from every answer and trains nothing")
     if text < MIN_TEXT_SHARE:
         if sampled:
             return "suffix", ("too few text-only rows for hivis or msd, and sampled answers: suffix measured ahead of "
-                              "eagle2 at T = 1 (1.78x vs 1.42x pooled; toy-m, 800 prompts) and trains nothing")
+                              "eagle2 at T = 1 (toy-m; docs/benchmarks.md) and trains nothing")
         return "eagle2", ("too few text-only rows for hivis or msd (HiViS without them measured below EAGLE-2: "
-                          "held-out τ 2.80 vs 3.02; toy-m): eagle2 measured fastest of the rest at T = 0 (2.29x "
-                          "pooled, suffix 1.95x; toy-m, 800 prompts)")
+                          "lower held-out τ; toy-m): eagle2 measured fastest of the rest at T = 0 (toy-m; "
+                          "docs/benchmarks.md)")
     if video >= 0.5:
         return "msd", ("mostly video, with text-only rows for its first stage: MSD measured fastest on short video "
-                       "captions at T = 0 (1.39x, eagle2 1.12x; toy-m, 800 prompts)")
+                       "captions at T = 0 (toy-m; docs/benchmarks.md)")
     return "hivis", ("images or video with text-only rows to mix in: HiViS measured the fastest trained drafter at "
-                     "T = 0 and 1 (2.46x / 2.27x pooled; toy-m, 800 prompts)")
+                     "T = 0 and 1 (toy-m; docs/benchmarks.md)")
