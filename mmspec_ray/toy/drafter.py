@@ -156,8 +156,9 @@ def build_toy_drafter(name: str = "toy-s", method: str = "eagle2", force: bool =
             log.info("toy %s drafter %s: %s, training it again", name, out,
                      "forced" if force else "made by another recipe" if done.exists() else "unfinished")
             shutil.rmtree(out)
-        log.info("training the %s drafter for %s on first use (%d prompts answered by the target, %d epochs) into %s",
-                 method, name, recipe.examples, recipe.train.epochs, out)
+        how = ("its corpus is the answers: nothing to fit" if method == "suffix" else f"{recipe.train.epochs} epochs")
+        log.info("building the %s drafter for %s on first use (%d prompts answered by the target; %s) into %s",
+                 method, name, recipe.examples, how, out)
         t0 = time.time()
         train_drafter_on_world(world, out, method, recipe, resume=False)
         made_by.write_text(json.dumps(want, indent=2))
