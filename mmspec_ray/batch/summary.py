@@ -134,7 +134,7 @@ def guard_text(g: dict[str, Any] | None) -> str:
     if not g:
         return ""
     by = g["rows_by_outcome"]
-    why = "; ".join(f"{by[k]} rows partly plain, {GUARD_WHY[k]}" for k in ("fell_back", "held", "warm_up", "one_token_tree")
+    why = "; ".join(f"{by[k]} row{'' if by[k] == 1 else 's'} partly plain, {GUARD_WHY[k]}" for k in ("fell_back", "held", "warm_up", "one_token_tree")
                     if by.get(k))
     share = g["plain_cycle_share"] or 0.0
     return (f"; payoff guard: {by.get('drafted', 0)}/{g['rows']} rows drafted throughout, {share:.0%} of cycles "
