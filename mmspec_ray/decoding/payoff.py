@@ -1,4 +1,4 @@
-"""Never slower than plain decoding: the engine's online payoff guard.
+"""Within noise of plain decoding where drafting does not pay: the engine's online payoff guard.
 
 A calibrated tree is right on average, not for every request: a short video caption, a prompt the drafter has not
 seen the like of, or a stretch of an answer the drafter cannot guess can cost more in drafting and wider verifies
